@@ -1,0 +1,27 @@
+# Two entry points (README): `make run` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: install run test bench clean
+
+$(BIN)/tokenmill: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@# torch first, pinned: any other version would pull the multi-GB CUDA build
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(BIN)/tokenmill
+
+run: install
+	$(BIN)/tokenmill generate "def fibonacci(n):" --max-tokens 48
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python benchmarks/cpu_throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,171 @@
+"""CPU throughput benchmarks of the engine core, each a ratio measured in one run.
+
+    python benchmarks/cpu_throughput.py [--only hf,static,prefix,memory] [--output-json FILE]
+
+hf      tokenmill vs Hugging Face transformers `generate` with static batches (its best
+        batch size), both bfloat16, on a 56M-parameter random Llama (hidden 512, 8 layers,
+        8 heads, 4 KV heads, intermediate 1408, vocab 32000); 64 requests, prompt and
+        output lengths uniform in 32..256, ignore_eos. Target: >= 4x.
+static  tokenmill continuous batching vs its own `static` policy, output lengths 16..512.
+        Target: >= 2x.
+prefix  prefix caching on vs off: 64 requests sharing a 1024-token prefix. Target: >= 3x.
+memory  resident memory over 5,000 requests through one engine: must stay flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill import LLM
+from tokenmill.bench.offline import run_throughput
+from tokenmill.bench.workloads import random_requests
+
+SHAPE_56M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+
+
+def make_checkpoint(root: Path) -> Path:
+    """The 56M Llama with random weights, saved by transformers in bfloat16 (same weights for both sides)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tokenmill.config import DEFAULT_MODEL_DIR
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE_56M, bos_token_id=0, eos_token_id=0)).to(torch.bfloat16)
+    path = root / "llama-56m"
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / f, path / f)
+    return path
+
+
+def hf_static_throughput(path: Path, requests, batch_size: int) -> dict:
+    """HF generate over static batches in arrival order: left-padded prompts, every batch runs
+    to its longest output; only the requested tokens count (as vLLM's HF baseline does)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(batch):
+            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[j, width - len(r.prompt_token_ids):] = 1
+        max_new = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(r.output_len for r in requests)
+    return {"batch_size": batch_size, "elapsed_s": elapsed, "output_tokens": output_tokens,
+            "output_throughput": output_tokens / elapsed}
+
+
+def bench_hf(path: Path, args) -> dict:
+    requests = random_requests(64, (32, 256), (32, 256), SHAPE_56M["vocab_size"], seed=0)
+    llm = LLM(str(path), dtype="bfloat16")
+    run_throughput(llm, requests[:8], use_tqdm=False)  # warm-up
+    ours = run_throughput(llm, requests, use_tqdm=False).to_dict()
+    del llm
+    gc.collect()
+    hf_runs = [hf_static_throughput(path, requests, bs) for bs in args.hf_batch_sizes]
+    best = max(hf_runs, key=lambda r: r["output_throughput"])
+    ratio = ours["output_throughput"] / best["output_throughput"]
+    print(f"[hf] tokenmill {ours['output_throughput']:.1f} tok/s vs HF static batching (best batch size "
+          f"{best['batch_size']}) {best['output_throughput']:.1f} tok/s: {ratio:.2f}x (target 4x)")
+    return {"tokenmill": ours, "hf_static": hf_runs, "ratio": ratio, "target": 4.0}
+
+
+def bench_static(path: Path, args) -> dict:
+    requests = random_requests(args.static_requests, (32, 256), (16, 512), SHAPE_56M["vocab_size"], seed=1)
+    results = {}
+    for policy in ("continuous", "static"):
+        llm = LLM(str(path), dtype="bfloat16", scheduler=policy, max_num_seqs=args.max_num_seqs)
+        results[policy] = run_throughput(llm, requests, use_tqdm=False).to_dict()
+        del llm
+        gc.collect()
+    ratio = results["continuous"]["output_throughput"] / results["static"]["output_throughput"]
+    print(f"[static] continuous {results['continuous']['output_throughput']:.1f} tok/s vs static "
+          f"{results['static']['output_throughput']:.1f} tok/s (max_num_seqs {args.max_num_seqs}, "
+          f"{args.static_requests} requests, outputs 16..512): {ratio:.2f}x (target 2x)")
+    return {**results, "ratio": ratio, "target": 2.0}
+
+
+def bench_prefix(path: Path, args) -> dict:
+    requests = random_requests(64, (16, 64), (16, 16), SHAPE_56M["vocab_size"], seed=2, prefix_len=1024)
+    results = {}
+    for caching in (True, False):
+        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=caching)
+        key = "prefix_caching_on" if caching else "prefix_caching_off"
+        r = run_throughput(llm, requests, use_tqdm=False).to_dict()
+        r["prefix_cache_hit_rate"] = llm.engine.stats()["prefix_cache_hit_rate"]
+        results[key] = r
+        del llm
+        gc.collect()
+    ratio = results["prefix_caching_off"]["elapsed_s"] / results["prefix_caching_on"]["elapsed_s"]
+    print(f"[prefix] 64 requests sharing a 1024-token prefix: {results['prefix_caching_on']['elapsed_s']:.2f}s "
+          f"with prefix caching vs {results['prefix_caching_off']['elapsed_s']:.2f}s without: {ratio:.2f}x "
+          f"(target 3x; hit rate {results['prefix_caching_on']['prefix_cache_hit_rate']:.2f})")
+    return {**results, "ratio": ratio, "target": 3.0}
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def bench_memory(path: Path, args) -> dict:
+    """5,000 short requests in waves through one engine (built-in model), RSS after each wave."""
+    llm = LLM(kv_cache_memory="64MiB")
+    vocab = llm.engine.model_config.vocab_size
+    samples = []
+    total = 0
+    for wave in range(args.memory_requests // 500):
+        run_throughput(llm, random_requests(500, (8, 48), (4, 24), vocab, seed=100 + wave), use_tqdm=False)
+        gc.collect()
+        total += 500
+        samples.append((total, rss_mib()))
+        print(f"[memory] {total:5d} requests: RSS {samples[-1][1]:.1f} MiB")
+    growth = samples[-1][1] - samples[1][1]
+    print(f"[memory] RSS growth from request {samples[1][0]} to {samples[-1][0]}: {growth:+.1f} MiB "
+          f"(peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
+    return {"samples": samples, "growth_mib": growth, "tracked_requests_left": len(llm.engine._tracked)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="hf,static,prefix,memory")
+    parser.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
+    parser.add_argument("--static-requests", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--memory-requests", type=int, default=5000)
+    parser.add_argument("--output-json", default="bench_results/cpu_throughput.json")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp))
+        for name in args.only.split(","):
+            results[name] = {"hf": bench_hf, "static": bench_static, "prefix": bench_prefix,
+                             "memory": bench_memory}[name](path, args)
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(json.dumps(results, indent=2))
+    print(f"results written to {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()

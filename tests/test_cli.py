@@ -1,0 +1,48 @@
+"""The command line: generate streams text, bench throughput writes its JSON, bad flags exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.cli import ENGINE_FLAGS, main
+from tokenmill.config import EngineConfig
+
+
+def test_every_engine_argument_has_a_flag():
+    assert {dest for dest, _ in ENGINE_FLAGS.values()} == set(EngineConfig.field_names())
+
+
+def test_generate_streams_text(checkpoints, capsys):
+    rc = main(["generate", "def foo():", "--model", str(checkpoints("llama")), "--max-tokens", "5",
+               "--kv-cache-memory", "8MiB"])
+    assert rc == 0
+    assert capsys.readouterr().out.startswith("def foo():")
+
+
+def test_bench_throughput_writes_json(checkpoints, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["bench", "throughput", "--model", str(checkpoints("llama")), "--num-prompts", "6",
+               "--input-len", "4:20", "--output-len", "3:9", "--seed", "1", "--kv-cache-memory", "8MiB",
+               "--no-progress", "--output-json", str(out), "--scheduler", "static"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    for key in ("num_requests", "elapsed_s", "input_tokens", "output_tokens", "request_throughput",
+                "output_throughput", "total_token_throughput"):
+        assert key in result
+    assert result["num_requests"] == 6 and 18 <= result["output_tokens"] <= 54
+    assert result["output_throughput"] == pytest.approx(result["output_tokens"] / result["elapsed_s"])
+    assert "output_throughput" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "throughput", "--input-len", "9:3"], "--input-len: expected N or MIN:MAX"),
+    (["bench", "throughput", "--output-len", "x"], "--output-len"),
+    (["bench", "throughput", "--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+    (["generate", "hi", "--model", "/nonexistent/dir"], "not a checkpoint directory"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,178 @@
+"""The offline API end to end on a tiny real model: sampling, stopping, bad input, outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+
+
+def ids(*prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def test_outputs_in_input_order_with_metrics(llm):
+    prompts = ["def foo(x):", {"prompt_token_ids": [5, 6, 7]}, "import os"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["def foo(x):", None, "import os"]
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode("def foo(x):")
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 5 and c.finish_reason == "length" and o.finished
+        assert c.text == llm.tokenizer.decode(c.token_ids)
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate(ids([11, 12, 13]), params, use_tqdm=False)[0].outputs[0].token_ids
+    noise = SamplingParams(max_tokens=20, temperature=0.7, ignore_eos=True)
+    mixed = llm.generate(ids([1, 2], [11, 12, 13], [400] * 30), [noise, params, noise], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(ids([11, 12, 13]), SamplingParams(max_tokens=12, temperature=1.0, seed=99,
+                                                                ignore_eos=True), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy_and_min_p_one_is_greedy(llm):
+    greedy = llm.generate(ids([3, 4, 5]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    for params in (SamplingParams(max_tokens=8, temperature=2.0, top_k=1, ignore_eos=True),
+                   SamplingParams(max_tokens=8, temperature=2.0, min_p=1.0, ignore_eos=True),
+                   SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, ignore_eos=True)):
+        assert llm.generate(ids([3, 4, 5]), params, use_tqdm=False)[0].outputs[0].token_ids == greedy
+
+
+def test_logprobs_are_top_n_plus_chosen(llm):
+    out = llm.generate(ids([9, 8, 7]), SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert token in lp and len(lp) == 3  # greedy: the chosen token is the top one
+        assert max(lp, key=lp.get) == token and all(v <= 0 for v in lp.values())
+
+
+def test_stop_token_ids_min_tokens_and_eos(llm):
+    base = llm.generate(ids([21, 22]), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = base[3]
+    out = llm.generate(ids([21, 22]), SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    first = base.index(stop_at)
+    assert out.token_ids == base[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    # min_tokens masks the stop token until enough tokens exist
+    out = llm.generate(ids([21, 22]), SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at],
+                                                     min_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 6 and stop_at not in out.token_ids[:6]
+
+
+def test_stop_strings_cut_the_text(llm):
+    full = llm.generate(ids([31, 32, 33]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = full.text[3:6]
+    assert stop
+    out = llm.generate(ids([31, 32, 33]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=stop),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.index(stop)]
+    kept = llm.generate(ids([31, 32, 33]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                          stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[:full.text.index(stop) + len(stop)]
+
+
+def test_n_samples_per_prompt(llm):
+    outs = llm.generate(ids([40, 41]), SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs) == 1 and [c.index for c in outs[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+
+
+def test_priority_policy_runs_urgent_requests_first(checkpoints):
+    llm = LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory="16MiB", scheduling_policy="priority",
+              max_num_seqs=1)
+    outs = llm.generate(ids([1, 2], [3, 4], [5, 6]), SamplingParams(max_tokens=3, ignore_eos=True),
+                        priority=[2, 0, 1], use_tqdm=False)
+    order = sorted(range(3), key=lambda i: outs[i].metrics.first_token_time)
+    assert order == [1, 2, 0]
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: SamplingParams(temperature=-0.5), "temperature"),
+    (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (lambda: SamplingParams(top_p=1.5), "top_p"),
+    (lambda: SamplingParams(top_k=-2), "top_k"),
+    (lambda: SamplingParams(min_p=2.0), "min_p"),
+    (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+    (lambda: SamplingParams(max_tokens=4, min_tokens=5), r"min_tokens \(5\) must be <= max_tokens \(4\)"),
+    (lambda: SamplingParams(logprobs=21), "logprobs"),
+    (lambda: SamplingParams(stop=[""]), "stop"),
+    (lambda: SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_bad_sampling_params(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ({"prompt_token_ids": [1] * 256}, SamplingParams(max_tokens=1), r"prompt: 256 tokens .* max_model_len 256"),
+    ({"prompt_token_ids": [1] * 250}, SamplingParams(max_tokens=10), r"max_tokens: 10 is too large.*at most 6"),
+    ({"prompt_token_ids": [5, 8192]}, SamplingParams(), r"8192 is outside the vocabulary \[0, 8192\)"),
+    ({"prompt_token_ids": [5, -1]}, SamplingParams(), "outside the vocabulary"),
+    ({"prompt_token_ids": []}, SamplingParams(), "must not be empty"),
+    ("", SamplingParams(), "must not be empty"),
+    (42, SamplingParams(), r"prompts\[1\] must be a string"),
+    ({"prompt_token_ids": [5]}, SamplingParams(stop_token_ids=[9000]), "stop_token_ids: 9000"),
+])
+def test_bad_prompts_raise_before_anything_runs(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": [1, 2]}, prompt], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # the good prompt was not queued either
+
+
+def test_bad_engine_arguments(checkpoints, tmp_path):
+    path = str(checkpoints("llama"))
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM(path, max_num_seq=4)
+    with pytest.raises(ValueError, match="scheduler must be one of continuous, static"):
+        LLM(path, scheduler="dynamic")
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(path, block_size=12)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(path, kv_cache_memory="lots")
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(str(tmp_path))
+
+
+def test_missing_and_corrupt_weights(checkpoints, tmp_path):
+    import shutil
+
+    src = checkpoints("llama")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        LLM(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="cannot read weight file"):
+        LLM(str(tmp_path))
+
+
+def test_unreachable_hub_id_says_so():
+    with pytest.raises(ValueError, match="could not be fetched from the Hugging Face Hub"):
+        LLM("no-such-org/no-such-model-xyz")
+
+
+def test_builtin_default_model_runs():
+    llm = LLM(kv_cache_memory="8MiB")
+    out = llm.generate("def main():", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and isinstance(out.outputs[0].text, str)

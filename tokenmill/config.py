@@ -1,0 +1,198 @@
+"""Engine configuration: one validated dataclass whose field names are the CLI flags.
+
+`EngineConfig` is what users pass to `LLM(...)` as keyword arguments and what
+`tokenmill ... --flag` sets; `ModelConfig` is read from a checkpoint's
+`config.json` and carries only what the engine needs to know about the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("tokenmill")
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "default_model"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+               "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_size(value: int | str) -> int:
+    """Parses a byte count such as 2147483648, "2GiB", "512MB" or "1.5G"."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} as a size (examples: 2GiB, 512MB, 1073741824)")
+    unit = (m.group(2) or "").upper().removesuffix("B")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that decides how the engine runs. Names match the CLI flags."""
+
+    model: str | None = None  # local directory or hub id; None: the built-in default model
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json)
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # per-step token budget; default 2048 on CPU, 8192 on CUDA
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes for the KV cache on CPU; default 2 GiB
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduler: str = "continuous"  # continuous | static
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
+
+    def __post_init__(self) -> None:
+        _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _one_of("load_format", self.load_format, ("auto", "safetensors", "dummy"))
+        _one_of("device", self.device, ("auto", "cpu", "cuda"))
+        _one_of("scheduler", self.scheduler, ("continuous", "static"))
+        _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        _at_least("max_num_seqs", self.max_num_seqs, 1)
+        _at_least("block_size", self.block_size, 1)
+        if self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if self.max_num_batched_tokens is not None:
+            _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            _at_least("max_model_len", self.max_model_len, 1)
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            _at_least("kv_cache_memory", self.kv_cache_memory, 1)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_threads is not None:
+            _at_least("num_threads", self.num_threads, 1)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None \
+                and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off, or no long prompt could ever run")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape and flags of a Llama-family checkpoint, read from its config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2, and Llama's attention_bias
+    o_bias: bool  # Llama's attention_bias also covers o_proj
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
+                             f"tokenmill runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu' for {arch}, got {cfg.get('hidden_act')!r}")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers >= 5 writes rope_theta and rope_scaling together as rope_parameters
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or rope or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type not in ("default", "linear", "llama3"):
+                raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: linear, llama3)")
+            scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        sliding = cfg.get("sliding_window")
+        if is_qwen2 and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"model: {path} has no config.json")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model: {cfg_path} is not valid JSON: {e}") from e
+        return cls.from_dict(cfg)
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+
+
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

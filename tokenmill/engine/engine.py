@@ -1,0 +1,205 @@
+"""Engine: validates and adds requests, runs steps, turns finished work into RequestOutputs.
+
+    step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update()
+             -> detokenize, stop strings -> RequestOutput deltas
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus)
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.executor.loader import choose_device, choose_dtype, resolve_model_path
+from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    num_sent_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.device = choose_device(config.device)
+        self.dtype = choose_dtype(config.dtype, self.device)
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
+            # attention here is full, which equals sliding-window attention up to the window
+            logger.warning("max_model_len capped at the sliding window (%d)", mc.sliding_window)
+            self.max_model_len = mc.sliding_window
+        budget = config.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
+        if not config.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        self.runner = ModelRunner(config, mc, self.model_path, self.device, self.dtype, self.max_model_len)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, budget, self.max_model_len,
+                                   policy=config.scheduler, scheduling_policy=config.scheduling_policy,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
+        self.kv_capacity_tokens = self.runner.num_blocks * config.block_size
+        self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())))
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self.total_steps = 0
+        logger.info("model %s (%s, %s on %s) loaded in %.2fs; KV cache: %d blocks x %d = %d tokens; "
+                    "prefix caching %s; max_model_len %d", self.model_path, mc.architecture,
+                    str(self.dtype).removeprefix("torch."), self.device, self.runner.load_time,
+                    self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
+                    "on" if config.enable_prefix_caching else "off", self.max_model_len)
+
+    # -- requests -------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
+                     priority: int = 0, arrival_time: float | None = None) -> tuple[Request, str | None]:
+        """Validates a prompt against the model and the cache; raises ValueError naming the limit."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if not token_ids:
+            raise ValueError("prompt: must not be empty (it has 0 tokens)")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        n = len(token_ids)
+        room = self.max_model_len - n
+        if room < 1:
+            raise ValueError(f"prompt: {n} tokens leaves no room to generate within max_model_len "
+                             f"{self.max_model_len} (the prompt must be at most {self.max_model_len - 1} tokens)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(f"max_tokens: {max_tokens} is too large: the prompt has {n} tokens and "
+                             f"max_model_len is {self.max_model_len}, so at most {room} tokens can be generated")
+        if n + max_tokens > self.kv_capacity_tokens:
+            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({max_tokens}) exceeds the KV cache "
+                             f"capacity of {self.kv_capacity_tokens} tokens; raise kv_cache_memory")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        return Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time), text
+
+    def add_request(self, request: Request, prompt: str | None = None) -> None:
+        sp = request.sampling_params
+        detok = None
+        if sp.detokenize:
+            detok = IncrementalDetokenizer(self._decoder(sp.skip_special_tokens), request.prompt_token_ids,
+                                           sp.stop_strings, sp.include_stop_str_in_output)
+        self.scheduler.add_request(request)
+        self._tracked[request.request_id] = _Tracked(request, prompt, detok)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._tracked.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling step; returns an output for each request that got new
+        tokens or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute(sched)
+        changed = self.scheduler.update(sched, sampled)
+        self.total_steps += 1
+        outputs = []
+        for request in changed:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None:
+                continue
+            try:
+                outputs.append(self._output(tracked))
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
+                logger.exception("request %s failed in post-processing", request.request_id)
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                request.status, request.error = RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}"
+                outputs.append(self._snapshot(tracked, "", []))
+            if request.is_finished:
+                self._tracked.pop(request.request_id, None)
+        return outputs
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        new_ids = request.all_token_ids[request.num_prompt_tokens + tracked.num_sent_tokens:]
+        tracked.num_sent_tokens += len(new_ids)
+        new_text = ""
+        if tracked.detokenizer is not None:
+            hit = tracked.detokenizer.add(new_ids)
+            if hit is not None:
+                request.stop_reason = hit
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                request.status = RequestStatus.FINISHED_STOPPED
+            new_text = tracked.detokenizer.delta(request.is_finished)
+        return self._snapshot(tracked, new_text, new_ids)
+
+    def _snapshot(self, tracked: _Tracked, new_text: str, new_ids: list[int]) -> RequestOutput:
+        r = tracked.request
+        logprobs = None
+        if r.logprobs is not None:
+            logprobs = [{**dict(top), tok: lp} for tok, lp, top in r.logprobs]
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.detokenizer.text if tracked.detokenizer is not None else "",
+            token_ids=r.output_token_ids,
+            finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason,
+            logprobs=logprobs,
+        )
+        metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time,
+                                 r.finish_time, max(r.num_cached_tokens, 0), r.num_preemptions)
+        return RequestOutput(r.request_id, tracked.prompt, r.prompt_token_ids, [completion], r.is_finished,
+                             metrics, r.error, new_ids, new_text)
+
+    def _decoder(self, skip_special_tokens: bool):
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # the Rust tokenizer directly: no Python wrapper per call
+            return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # -- stats ------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        kv = self.kv_cache
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_hit_rate": kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "time": time.time(),
+        }

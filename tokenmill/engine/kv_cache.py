@@ -1,0 +1,259 @@
+"""Paged KV cache bookkeeping: a block pool with reference counts, per-request
+block tables, and prefix caching keyed by chained block hashes.
+
+Pure Python: this module never touches tensors. The model runner owns the
+tensors; a block id here is an index into them.
+
+Prefix caching: a *full* block is keyed by (hash(parent key, token ids), token
+ids), so a key names the whole prefix up to and including that block. A block
+whose ref count drops to zero keeps its key and stays findable until the pool
+hands it out again; the free queue is in LRU order, so the least recently
+freed cached block is evicted first.
+
+    request tokens:  [t0 .. t15][t16 .. t31][t32 .. t39 ....]
+    block table:     [   b7    ][   b2     ][   b9          ]
+    keys:            [   k0    ][ k1(k0)   ]  (partial: no key)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from tokenmill.engine.request import Request
+
+BlockKey = tuple[int, tuple[int, ...]]  # (chained hash, token ids of the block)
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "key")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.key: BlockKey | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.key is not None})"
+
+
+def chain_block_keys(parent: BlockKey | None, token_ids: Sequence[int], block_size: int,
+                     start: int, num_blocks: int) -> list[BlockKey]:
+    """Keys of the full blocks [start, start + num_blocks) of `token_ids`, chained from `parent`."""
+    keys = []
+    parent_hash = None if parent is None else parent[0]
+    for i in range(start, start + num_blocks):
+        tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        parent_hash = hash((parent_hash, tokens))
+        keys.append((parent_hash, tokens))
+    return keys
+
+
+class BlockPool:
+    """All KV blocks, their ref counts, the LRU free queue and the prefix-cache map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # block_id -> block, least recently freed first
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockKey, KVBlock] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def take(self, n: int) -> list[KVBlock]:
+        """Hands out n free blocks, evicting the least recently used cached ones."""
+        assert n <= len(self.free_queue), (n, len(self.free_queue))
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.key is not None:
+                del self.cached[block.key]
+                block.key = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Adds a reference to blocks found in the prefix cache."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drops one reference; blocks reaching zero join the free queue.
+
+        Cached blocks go to the back (evicted last); blocks with no key hold
+        nothing reusable and go to the front, to be handed out first.
+        """
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, block
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+                if block.key is None:
+                    self.free_queue.move_to_end(block.block_id, last=False)
+
+    def unregister(self, block: KVBlock) -> None:
+        if block.key is not None:
+            del self.cached[block.key]
+            block.key = None
+
+    def register(self, block: KVBlock, key: BlockKey) -> None:
+        """Makes a full block findable by its key (first writer wins on duplicates)."""
+        if block.key is None and key not in self.cached:
+            block.key = key
+            self.cached[key] = block
+
+
+class KVCacheManager:
+    """Block tables of the running requests over one BlockPool.
+
+    The scheduler asks `get_computed_blocks` (prefix hit) and `can_allocate`,
+    then acts with `allocate_slots` and `free`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_keys: dict[str, list[BlockKey]] = {}  # keys of the request's full blocks so far
+        self.req_num_registered: dict[str, int] = {}  # how many of its blocks are in the cache map
+        # prefix-cache statistics, in tokens
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- questions ---------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a request that has nothing computed yet.
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        keys = self._keys(request)
+        max_hit = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for key in keys[:max_hit]:
+            block = self.pool.cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          new_computed_blocks: Sequence[KVBlock] = ()) -> int:
+        """Free blocks that allocate_slots would take from the pool."""
+        held = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        new = max(0, -(-(num_computed + num_new_tokens) // self.block_size) - held)
+        # hits with no holder sit in the free queue: touching them takes them out of it
+        return new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        return self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) <= self.pool.num_free
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # -- actions -----------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        """Gives the request room for `num_new_tokens` more tokens, after taking
+        `new_computed_blocks` (a prefix hit) into its table. False if it does not fit;
+        then nothing changed."""
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+            return False
+        if self.enable_prefix_caching and request.request_id not in self.req_blocks:
+            # admission: count the lookup once, not at every peek of a request that then waited
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(new_computed_blocks) * self.block_size
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = -(-(num_computed + num_new_tokens) // self.block_size)
+        if total > len(blocks):
+            blocks.extend(self.pool.take(total - len(blocks)))
+        if self.enable_prefix_caching:
+            # Tokens scheduled this step are known already, so their full blocks can be
+            # registered now: the runner writes K/V before any attention reads it.
+            self._register_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return True
+
+    def free(self, request: Request, finished: bool = True) -> None:
+        """Releases a request's blocks (last block first, so a prompt's tail is evicted
+        before its shared head). A preempted request keeps its block keys."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, [])
+        # Blocks registered for tokens that were scheduled but never computed (a request
+        # preempted in the very step that scheduled it) must not stay findable: their
+        # K/V was never written. Only this request can hold them, as they are past its
+        # computed prefix and lookups happen only at admission.
+        for block in blocks[request.num_computed_tokens // self.block_size:self.req_num_registered.get(rid, 0)]:
+            self.pool.unregister(block)
+        self.pool.release(reversed(blocks))
+        self.req_num_registered.pop(rid, None)
+        if finished:
+            self.req_keys.pop(rid, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block that no request holds."""
+        for block in self.pool.free_queue.values():
+            if block.key is not None:
+                del self.pool.cached[block.key]
+                block.key = None
+
+    # -- internals ---------------------------------------------------------
+    def _keys(self, request: Request) -> list[BlockKey]:
+        keys = self.req_keys.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        if num_full > len(keys):
+            keys.extend(chain_block_keys(keys[-1] if keys else None, request.all_token_ids,
+                                         self.block_size, len(keys), num_full - len(keys)))
+        return keys
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        start = self.req_num_registered.get(rid, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= start:
+            return
+        keys = self._keys(request)
+        blocks = self.req_blocks[rid]
+        for i in range(start, num_full):
+            self.pool.register(blocks[i], keys[i])
+        self.req_num_registered[rid] = num_full
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError if the pool and the block tables disagree."""
+        holders: dict[int, int] = {}
+        for rid, blocks in self.req_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert len(ids) == len(set(ids)), f"request {rid} holds a block twice: {ids}"
+            for i in ids:
+                holders[i] = holders.get(i, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0), \
+                f"{block} is held by {holders.get(block.block_id, 0)} requests"
+            in_free = block.block_id in self.pool.free_queue
+            assert in_free == (block.ref_cnt == 0), f"{block} free-queue membership is wrong"
+            if block.key is not None:
+                assert self.pool.cached.get(block.key) is block, f"{block} has a key the cache map lacks"
+        for key, block in self.pool.cached.items():
+            assert block.key == key, f"cache map entry points at {block} with another key"
+        assert len(self.pool.free_queue) + len(holders) == self.num_blocks

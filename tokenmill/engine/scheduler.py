@@ -1,0 +1,251 @@
+"""The scheduler: who runs this step, and with how many tokens.
+
+There is no prefill phase and no decode phase (DESIGN.md). Each step every chosen
+request gets `num_scheduled_tokens` under one token budget: a decode is a request
+scheduled for one token, a chunked prefill one scheduled for part of its prompt,
+a prefix hit one whose `num_computed_tokens` starts above zero.
+
+Order of a step: running requests first (oldest first), preempting by recompute
+when the KV cache is full; then, if nothing was preempted, waiting requests are
+admitted while budget, `max_num_seqs` and KV blocks allow. The `static` policy
+admits a new batch only once the previous batch has fully finished: the baseline
+that continuous batching is measured against.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus, TokenLogprobs
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs. Lists are aligned: one entry per scheduled request."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    def samples(self, i: int) -> bool:
+        """Whether request i reaches its last known token this step, so samples a new one."""
+        return self.num_computed_tokens[i] + self.num_scheduled_tokens[i] == self.requests[i].num_tokens
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: str = "continuous", scheduling_policy: str = "fcfs",
+                 enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.static = policy == "static"
+        self.by_priority = scheduling_policy == "priority"
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] | list[tuple[tuple[int, float, int], Request]]
+        self.waiting = [] if self.by_priority else deque()
+        self.running: list[Request] = []
+        self._batch_open = True  # static policy: may the current batch still take requests?
+        self._order = itertools.count()
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._enqueue(request, front=False)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request from outside (abort, stop string, error); frees its blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._remove_waiting(request)
+        self._finish(request, status)
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled: dict[str, int] = {}  # request_id -> num_scheduled_tokens
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                self.running.remove(victim)
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+
+        if self.static and not self.running:
+            self._batch_open = True  # the previous batch has fully finished
+        if not out.preempted and (not self.static or self._batch_open):
+            budget = self._admit_waiting(scheduled, budget)
+
+        for request in self.running:
+            n = scheduled.get(request.request_id)
+            if n is None:
+                continue
+            out.requests.append(request)
+            out.num_computed_tokens.append(request.num_computed_tokens)
+            out.num_scheduled_tokens.append(n)
+            out.block_tables.append(self.kv.get_block_ids(request.request_id))
+            request.num_computed_tokens += n
+        return out
+
+    def _admit_waiting(self, scheduled: dict[str, int], budget: int) -> int:
+        now = time.time()
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                self._batch_open = False
+                break
+            request = self._peek_waiting()
+            hits, num_cached = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if not self.enable_chunked_prefill and num_new > budget:
+                break  # whole prompts only: wait for a step with room
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                self._batch_open = False
+                break
+            self._pop_waiting()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+        if not self.waiting:
+            self._batch_open = False
+        return budget
+
+    def update(self, out: SchedulerOutput, sampled: list[tuple[int, TokenLogprobs | None]]) -> list[Request]:
+        """Appends the sampled tokens (one per sampling request, in order), applies
+        stop conditions and frees finished requests. Returns the requests that got a
+        token or finished this step."""
+        changed = []
+        now = time.time()
+        it = iter(sampled)
+        for i, request in enumerate(out.requests):
+            if not out.samples(i):
+                continue
+            token_id, logprobs = next(it)
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.all_token_ids.append(token_id)
+            if request.logprobs is not None and logprobs is not None:
+                request.logprobs.append(logprobs)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            changed.append(request)
+        return changed
+
+    # -- internals --------------------------------------------------------------
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        num_output = request.num_output_tokens
+        if num_output >= request.sampling_params.min_tokens:
+            if token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in request.sampling_params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finish_time = time.time()
+        self.kv.free(request, finished=True)
+        del self.requests[request.request_id]
+
+    def _pick_victim(self) -> Request:
+        if self.by_priority:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the request's blocks and send it back to the
+        front of the queue; it recomputes its prompt and output so far when it resumes
+        (much of it from the prefix cache) and goes on exactly where it stopped."""
+        self.kv.free(request, finished=False)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request, front=True)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        if self.by_priority:
+            # lower priority value first, then earlier arrival; a preempted request
+            # keeps its arrival time, so it goes back ahead of later arrivals
+            key = (request.priority, request.arrival_time, next(self._order))
+            bisect.insort(self.waiting, (key, request), key=lambda kv: kv[0])
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _peek_waiting(self) -> Request:
+        return self.waiting[0][1] if self.by_priority else self.waiting[0]
+
+    def _pop_waiting(self) -> Request:
+        return self.waiting.pop(0)[1] if self.by_priority else self.waiting.popleft()
+
+    def _remove_waiting(self, request: Request) -> None:
+        if self.by_priority:
+            self.waiting = [kv for kv in self.waiting if kv[1] is not request]
+        else:
+            self.waiting.remove(request)

@@ -1,0 +1,43 @@
+"""Linear layers that know how to load their checkpoint shards.
+
+Several checkpoint tensors may map onto one fused layer (q/k/v into qkv_proj,
+gate/up into gate_up_proj): one matmul instead of three is worth it on every
+device. `load_shard` copies one checkpoint tensor into its rows of the fused weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), whose output rows may be split into named shards."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int] | int, bias: bool = False) -> None:
+        super().__init__()
+        if isinstance(shard_sizes, int):
+            shard_sizes = {"": shard_sizes}
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+        self.in_features, self.out_features = in_features, offset
+        self.weight = nn.Parameter(torch.empty(offset, in_features))
+        self.bias = nn.Parameter(torch.empty(offset)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
+        param = self.weight if param_name == "weight" else self.bias
+        if param is None:
+            raise ValueError(f"checkpoint has a {param_name} for a layer built without one")
+        start, size = self.shard_offsets[shard]
+        target = param.data.narrow(0, start, size)
+        if target.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for shard {shard or 'weight'}: checkpoint {tuple(tensor.shape)}, "
+                             f"model {tuple(target.shape)}")
+        target.copy_(tensor)

@@ -1,0 +1,148 @@
+"""Llama, Mistral, Qwen2 and Qwen3 from one module; the differences are flags in ModelConfig:
+q/k/v bias (Qwen2, Llama's attention_bias), per-head q/k RMSNorm (Qwen3), tied
+embeddings, head_dim, rope scaling. Tokens arrive flattened: [T] ids, [T] positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tokenmill.config import ModelConfig
+from tokenmill.executor.attention.base import AttentionBackend
+from tokenmill.executor.layers.linear import Linear
+from tokenmill.executor.layers.norm import RMSNorm
+from tokenmill.executor.layers.rotary import RotaryEmbedding
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the step's positions
+
+# checkpoint name piece -> (our module piece, shard)
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.splits = [q_size, kv_size, kv_size]
+
+    def forward(self, rope: Rope, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
+        o = attn(q, k, v, self.layer)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
+                                   bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions, x.dtype)
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, attn)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies checkpoint tensors (Hugging Face names) into the model; returns the
+        names of the parameters it filled."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            parts = name.split(".")
+            target, shard = _FUSED.get(parts[-2], (None, "")) if len(parts) >= 2 else (None, "")
+            if target is not None:
+                parts[-2] = target
+            module_name, param_name = ".".join(parts[:-1]), parts[-1]
+            module = modules.get(module_name)
+            if isinstance(module, Linear):
+                module.load_shard(param_name, shard, tensor)
+            elif name in params:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)}, "
+                                     f"model expects {tuple(params[name].shape)}")
+                params[name].data.copy_(tensor)
+            else:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.cfg.architecture}")
+            loaded.add(f"{module_name}.{param_name}" if target is None else f"{module_name}.{param_name}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """The names load_weights must see for the model to be complete."""
+        out = set()
+        modules = dict(self.named_modules())
+        for name, _ in self.named_parameters():
+            module_name, param_name = name.rsplit(".", 1)
+            module = modules[module_name]
+            if isinstance(module, Linear):
+                out.update(f"{name}#{s}" if s else name for s in module.shard_offsets)
+            else:
+                out.add(name)
+        return out

@@ -1,0 +1,110 @@
+"""LLM: the offline batch API, shaped like vLLM's so that code can switch.
+
+    llm = LLM(model="path/to/checkpoint", max_num_seqs=64)
+    outputs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Loads a model once and generates for many prompts at a time.
+
+    Keyword arguments are the engine arguments, with the CLI flags' names
+    (`dtype`, `max_num_seqs`, `kv_cache_memory`, `scheduler`, ...; see EngineConfig).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = sorted(set(engine_args) - set(EngineConfig.field_names()))
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(EngineConfig.field_names())}")
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt; returns one RequestOutput per prompt, in input order.
+
+        All prompts are validated before any runs: a bad one raises ValueError and
+        nothing is queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts (give one, or one each)")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        if priority is not None and self.engine.config.scheduling_policy != "priority":
+            raise ValueError("priority: needs scheduling_policy='priority'")
+
+        batch: list[tuple[int, Request, str | None]] = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            prio = priority[i] if priority is not None else 0
+            for j in range(getattr(sp, "n", 1)):
+                # the j-th of n samples: its own seed, so the n differ but stay reproducible
+                child = sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                try:
+                    request, text = self.engine.make_request(_prompt_input(prompt, i), child, priority=prio)
+                except ValueError as e:
+                    raise ValueError(f"prompts[{i}]: {e}" if not str(e).startswith("prompts[") else str(e)) from e
+                batch.append((i, request, text))
+        for _, request, text in batch:
+            self.engine.add_request(request, text)
+        return self._run(batch, len(prompts), use_tqdm)
+
+    def _run(self, batch: list[tuple[int, Request, str | None]], num_prompts: int,
+             use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(batch), desc="generate", unit="req", disable=not use_tqdm or len(batch) < 2,
+                   dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        results: list[RequestOutput | None] = [None] * num_prompts
+        for i, request, _ in batch:
+            out = final[request.request_id]
+            if results[i] is None:
+                results[i] = out
+            else:  # n > 1: gather the samples of one prompt into one output
+                out.outputs[0].index = len(results[i].outputs)
+                results[i].outputs.append(out.outputs[0])
+        return results  # type: ignore[return-value]
+
+
+def _prompt_input(prompt: PromptType, index: int) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError(f"prompts[{index}].prompt_token_ids must be a list of integers")
+            return list(ids)
+        if "prompt" in prompt and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+    raise ValueError(f"prompts[{index}] must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
