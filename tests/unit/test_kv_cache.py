@@ -250,6 +250,22 @@ def test_preempted_request_finds_its_own_blocks_again():
     assert admit(kv, a) == 8
 
 
+def test_blocks_registered_for_a_step_that_never_ran_are_forgotten_on_free():
+    # allocate_slots registers the full blocks of the tokens scheduled this step; if the
+    # request is preempted before the step runs (num_computed_tokens not yet advanced),
+    # their K/V is never written and they must not be prefix hits afterwards
+    kv = KVCacheManager(8, BS)
+    a = make_request("a", list(range(13)))
+    assert kv.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    kv.check_integrity()
+    assert kv.allocate_slots(a, 8)  # blocks 1, 2 registered; the step is then dropped
+    assert hit_tokens(kv, list(range(13))) == 12
+    free(kv, a, finished=False)
+    assert hit_tokens(kv, list(range(13))) == 4
+    assert kv.num_free_blocks == 8
+
+
 def test_reset_prefix_cache_forgets_only_free_blocks():
     kv = KVCacheManager(8, BS)
     a = make_request("a", blocks_of(1, 0) + [1])

@@ -286,12 +286,12 @@ def test_prefix_hit_sets_num_cached_and_num_computed_tokens():
     assert b.num_cached_tokens == 8 and c.num_cached_tokens == 0
     i = out.requests.index(b)
     assert out.num_computed_tokens[i] == 8 and out.num_scheduled_tokens[i] == 1
-    assert out.block_tables[i][:2] == a_blocks_if_cached(sched, shared)
+    assert out.block_tables[i][:2] == cached_prefix_blocks(sched, shared)
     run_all(sched, runner)
     assert b.output_token_ids == reference_outputs([("b", shared + [92], 2)])["b"]
 
 
-def a_blocks_if_cached(sched: Scheduler, tokens: list[int]) -> list[int]:
+def cached_prefix_blocks(sched: Scheduler, tokens: list[int]) -> list[int]:
     probe = make_request("probe", tokens + [0])
     hits, _ = sched.kv.get_computed_blocks(probe)
     sched.kv.free(probe)

@@ -42,9 +42,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.requests
 
+    # whether request i reaches its last known token this step, so samples a new one
+    sampling: list[bool] = field(default_factory=list)
+
     def samples(self, i: int) -> bool:
-        """Whether request i reaches its last known token this step, so samples a new one."""
-        return self.num_computed_tokens[i] + self.num_scheduled_tokens[i] == self.requests[i].num_tokens
+        return self.sampling[i]
 
 
 class Scheduler:
@@ -134,6 +136,7 @@ class Scheduler:
             out.num_computed_tokens.append(request.num_computed_tokens)
             out.num_scheduled_tokens.append(n)
             out.block_tables.append(self.kv.get_block_ids(request.request_id))
+            out.sampling.append(request.num_computed_tokens + n == request.num_tokens)
             request.num_computed_tokens += n
         return out
 

@@ -116,6 +116,7 @@ def load_model(path: Path, cfg: ModelConfig, load_format: str, dtype: torch.dtyp
         if missing:
             raise ValueError(f"model: weights missing from the checkpoint in {path}: {', '.join(sorted(missing)[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
+    model.pack_weights()
     return model.eval()
 
 

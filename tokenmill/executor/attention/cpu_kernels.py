@@ -26,11 +26,17 @@ def load_cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        # OpenMP from the same runtime torch uses (a second one would fight it for the cores)
+        import torch
+
+        gomp = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+        ldflags = [str(gomp[0])] if gomp else ["-fopenmp"]
         build_dir = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill")) / "cpu_kernels"
         build_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         module = load(name="tokenmill_cpu_kernels", sources=[str(_SRC)], build_directory=str(build_dir),
-                      extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"], verbose=False)
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=ldflags,
+                      verbose=False)
         logger.info("CPU attention kernels ready in %.1fs (%s)", time.perf_counter() - start, build_dir)
         return module
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: fall back, loudly

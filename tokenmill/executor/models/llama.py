@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention.base import AttentionBackend
-from tokenmill.executor.layers.linear import Linear
+from tokenmill.executor.layers.linear import Linear, can_pack, pack_weight, packed_linear
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding
 
@@ -91,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.packed_tied_head: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -101,8 +102,19 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_tied_head is not None:
+            return packed_linear(hidden, self.packed_tied_head, None).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def pack_weights(self) -> None:
+        """After loading: every linear layer (and a tied head) in the fastest CPU layout."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+            self.packed_tied_head = pack_weight(self.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors (Hugging Face names) into the model; returns the

@@ -11,25 +11,74 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+// element loads as float; written so that the loops below vectorize
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const double* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+#if defined(__AVX512F__)
+// 16 lanes at a time; bf16 widens by a shift, fp16 by the F16C conversion
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename T>
+constexpr bool kVectorized = !std::is_same_v<T, double>;
+#else
+template <typename T>
+constexpr bool kVectorized = false;
+#endif
 
 template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+inline float dot(const float* q, const T* k, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorized<T>) {
+    if (n % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
+      return _mm512_reduce_add_ps(acc);
+    }
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += q[i] * load(k, i);
+  return s;
+}
+
+template <typename T>
+inline void axpy(float a, const T* x, float* y, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorized<T>) {
+    if (n % 16 == 0) {
+      const __m512 va = _mm512_set1_ps(a);
+      for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, load16(x + i), _mm512_loadu_ps(y + i)));
+      return;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] += a * load(x, i);
 }
 
 template <typename T>
@@ -39,35 +88,39 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
                       float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
-    for (int64_t job = begin; job < end; ++job) {
+  // Contexts differ in length, so a static split of the jobs leaves threads idle:
+  // each thread takes the next job from a shared counter instead.
+  const int64_t num_jobs = num_reqs * num_kv_heads;
+  std::atomic<int64_t> next_job{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t job = next_job++; job < num_jobs; job = next_job++) {
       const int64_t r = job / num_kv_heads, h = job % num_kv_heads;
       const int64_t len = seq_lens[r];
       const int32_t* blocks = block_table + r * max_blocks;
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
       scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g) {
-        load_row(q + (r * num_heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= scale;
+        const T* qg = q + (r * num_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = load(qg, d) * scale;
       }
-      // scores = q . k for every context token
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
-        load_row(k_cache + slot * slot_stride + h * head_dim, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
-          scores[g * len + t] = s;
+      // scores = q . k over the context, block by block
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const T* kb = k_cache + static_cast<int64_t>(blocks[j]) * block_size * slot_stride + h * head_dim;
+        const int64_t n = std::min(block_size, len - j * block_size);
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t g = 0; g < group; ++g) {
+            scores[g * len + j * block_size + i] = dot(qf.data() + g * head_dim, kb + i * slot_stride, head_dim);
+          }
         }
       }
-      // softmax per query head
+      // softmax per query head (exp vectorizes: the build uses -ffast-math, so nothing here may be inf)
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
-        float mx = -INFINITY;
+        float mx = -std::numeric_limits<float>::max();
         for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
           s[t] = std::exp(s[t] - mx);
           sum += s[t];
@@ -77,14 +130,13 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
       }
       // out = p . v
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
-        load_row(v_cache + slot * slot_stride + h * head_dim, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const T* vb = v_cache + static_cast<int64_t>(blocks[j]) * block_size * slot_stride + h * head_dim;
+        const int64_t n = std::min(block_size, len - j * block_size);
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t g = 0; g < group; ++g) {
+            axpy(scores[g * len + j * block_size + i], vb + i * slot_stride, acc.data() + g * head_dim, head_dim);
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
