@@ -176,3 +176,28 @@ def test_builtin_default_model_runs():
     out = llm.generate("def main():", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 and isinstance(out.outputs[0].text, str)
+
+
+def test_a_failing_request_does_not_take_others_down(checkpoints):
+    """A request whose post-processing raises finishes with an error; the rest finish normally."""
+    llm = LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory="16MiB")
+    engine = llm.engine
+    good, _ = engine.make_request([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+    bad, _ = engine.make_request([4, 5, 6], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request(good)
+    engine.add_request(bad)
+
+    def broken(token_ids):
+        raise RuntimeError("detokenizer exploded")
+
+    engine._tracked[bad.request_id].detokenizer.add = broken
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[bad.request_id].error == "RuntimeError: detokenizer exploded"
+    assert finished[good.request_id].error is None
+    assert len(finished[good.request_id].outputs[0].token_ids) == 6
+    engine.kv_cache.check_integrity()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

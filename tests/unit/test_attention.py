@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from tokenmill.executor.attention import AttentionMetadata, TorchNativeBackend
-from tokenmill.executor.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
 
 HEADS, KV_HEADS, DIM, BS, NUM_BLOCKS = 8, 2, 32, 4, 128
 

@@ -18,7 +18,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, TokenLogprobs
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, TorchNativeBackend
-from tokenmill.executor.attention.cpu_kernels import load_cpu_kernels
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.sampler import Sampler, SamplingBatch
 

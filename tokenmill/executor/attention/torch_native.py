@@ -9,7 +9,7 @@ row of block_size * kv_heads * head_dim values and gathers move whole blocks.
 - Other multi-token chunks (after a prefix hit, or later chunks of a long
   prompt) gather their context and use a causal mask aligned to its end.
 - Decodes (one query token) on the CPU go to a native kernel that reads K/V
-  in place through the block table (cpu_kernels.py) when it could be built.
+  in place through the block table (executor/cpu_kernels.py) when it could be built.
   Otherwise they run batched in torch: sorted by context length and split into
   groups so that little is padded, each group gathered once into a reused
   buffer and attended by SDPA, each kv head's query group playing the role of

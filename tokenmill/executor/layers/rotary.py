@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from tokenmill.executor.cpu_kernels import kernels_for
+
+
+class Rope(NamedTuple):
+    positions: torch.Tensor  # [T] int64
+    cos_sin: torch.Tensor  # float32 [max_position, head_dim]
+    cos: torch.Tensor | None  # [T, 1, head_dim] in the model dtype, torch path only
+    sin: torch.Tensor | None
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -36,20 +45,28 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # float32 [max_position, head_dim]: cos of the half-dim frequencies, then their sin
+        self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the step's positions, [T, 1, head_dim]: looked up once, used by every layer."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The step's rotary inputs, looked up once and used by every layer."""
+        if kernels_for(positions) is not None:
+            return Rope(positions, self.cos_sin, None, None)
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
+        # the reference rounds cos and sin to the model dtype before multiplying
+        cos = torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(1)
+        sin = torch.cat((sin, sin), dim=-1).to(dtype).unsqueeze(1)
+        return Rope(positions, self.cos_sin, cos, sin)
 
     @staticmethod
-    def apply(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
-        cos, sin = rope
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def apply(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; the CPU kernel rotates in place."""
+        if rope.cos is None:
+            kernels = kernels_for(q)
+            kernels.rotary(q, rope.positions, rope.cos_sin)
+            kernels.rotary(k, rope.positions, rope.cos_sin)
+            return q, k
+        return _rotate(q, rope.cos, rope.sin), _rotate(k, rope.cos, rope.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

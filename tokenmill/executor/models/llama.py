@@ -15,9 +15,8 @@ from tokenmill.config import ModelConfig
 from tokenmill.executor.attention.base import AttentionBackend
 from tokenmill.executor.layers.linear import Linear, can_pack, pack_weight, packed_linear
 from tokenmill.executor.layers.norm import RMSNorm
-from tokenmill.executor.layers.rotary import RotaryEmbedding
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the step's positions
+from tokenmill.executor.cpu_kernels import kernels_for
+from tokenmill.executor.layers.rotary import Rope, RotaryEmbedding
 
 # checkpoint name piece -> (our module piece, shard)
 _FUSED = {
@@ -58,7 +57,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = kernels_for(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,4 +1,5 @@
-"""Native CPU kernels, compiled on first use with torch's C++ extension builder.
+"""Native CPU kernels (paged decode attention, RMSNorm, rotary, SiLU-and-mul), compiled on
+first use with torch's C++ extension builder.
 
 Building needs a C++ compiler and ninja; it takes about a minute once per machine
 (the result is cached under ~/.cache/tokenmill). Without them the torch-native
@@ -14,9 +15,16 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger("tokenmill")
 
-_SRC = Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"
+_SRC = Path(__file__).parent / "csrc"
+
+
+def kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """The kernels if x lives on the CPU and they are built, else None (use torch ops)."""
+    return load_cpu_kernels() if x.is_cpu else None
 
 
 @cache
@@ -27,19 +35,18 @@ def load_cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         # OpenMP from the same runtime torch uses (a second one would fight it for the cores)
-        import torch
-
         gomp = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
         ldflags = [str(gomp[0])] if gomp else ["-fopenmp"]
         build_dir = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill")) / "cpu_kernels"
         build_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        module = load(name="tokenmill_cpu_kernels", sources=[str(_SRC)], build_directory=str(build_dir),
+        sources = [str(_SRC / f) for f in ("bindings.cpp", "attention.cpp", "elementwise.cpp")]
+        module = load(name="tokenmill_cpu_kernels", sources=sources, build_directory=str(build_dir),
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=ldflags,
                       verbose=False)
-        logger.info("CPU attention kernels ready in %.1fs (%s)", time.perf_counter() - start, build_dir)
+        logger.info("CPU kernels ready in %.1fs (%s)", time.perf_counter() - start, build_dir)
         return module
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: fall back, loudly
-        logger.warning("CPU attention kernels unavailable, using the torch-native path (%s: %s)",
+        logger.warning("CPU kernels unavailable, using the torch-native path (%s: %s)",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None

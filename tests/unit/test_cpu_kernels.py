@@ -1,0 +1,62 @@
+"""The fused CPU kernels against the PyTorch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.skip("CPU kernels could not be built here")
+    return k
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("rows", [1, 37])
+def test_rms_norm_with_and_without_residual(kernels, dtype, tol, rows):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    res = torch.randn(rows, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    ref = F.rms_norm(x.float(), (96,), w.float(), 1e-6)
+    assert torch.allclose(kernels.rms_norm(x, None, w, 1e-6).float(), ref, atol=tol, rtol=tol)
+    summed = (x + res)  # rounded to dtype, as the model's residual stream is
+    res_inplace = res.clone()
+    out = kernels.rms_norm(x, res_inplace, w, 1e-6)
+    assert torch.equal(res_inplace, summed)
+    assert torch.allclose(out.float(), F.rms_norm(summed.float(), (96,), w.float(), 1e-6), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_rotary_in_place_on_strided_rows(kernels, dtype, tol):
+    g = torch.Generator().manual_seed(1)
+    tokens, heads, dim = 11, 3, 32
+    qkv = torch.randn(tokens, 5 * dim, generator=g).to(dtype)  # rows wider than the rotated heads
+    x = qkv[:, :heads * dim].view(tokens, heads, dim)
+    positions = torch.randint(0, 50, (tokens,), generator=g)
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), torch.rand(dim // 2, generator=g))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1)[positions].unsqueeze(1)
+    sin = torch.cat((freqs.sin(), freqs.sin()), -1)[positions].unsqueeze(1)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    ref = xf * cos + torch.cat((-x2, x1), dim=-1) * sin
+    untouched = qkv[:, heads * dim:].clone()
+    kernels.rotary(x, positions, cos_sin)
+    assert torch.allclose(x.float(), ref, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, heads * dim:], untouched)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_silu_and_mul(kernels, dtype, tol):
+    gate_up = (torch.randn(13, 2 * 80, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert torch.allclose(kernels.silu_and_mul(gate_up).float(), F.silu(gate) * up, atol=tol * 4, rtol=tol)

@@ -1,0 +1,119 @@
+// Shared helpers of the CPU kernels: element loads as float, 16-lane AVX-512 loads and
+// stores where the build has AVX-512, scalar code everywhere else.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace tokenmill {
+
+// element loads as float; written so that the loops below vectorize
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const double* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+#if defined(__AVX512F__)
+// 16 lanes at a time; bf16 widens by a shift, fp16 by the F16C conversion
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename T>
+constexpr bool kVectorized = !std::is_same_v<T, double>;
+#else
+template <typename T>
+constexpr bool kVectorized = false;
+#endif
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorized<T>) {
+    if (n % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
+      return _mm512_reduce_add_ps(acc);
+    }
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += q[i] * load(k, i);
+  return s;
+}
+
+template <typename T>
+inline void axpy(float a, const T* x, float* y, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorized<T>) {
+    if (n % 16 == 0) {
+      const __m512 va = _mm512_set1_ps(a);
+      for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, load16(x + i), _mm512_loadu_ps(y + i)));
+      return;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] += a * load(x, i);
+}
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+#if defined(__AVX512F__)
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  // round to nearest even, as c10::BFloat16 does
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+#endif
+}
+inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
+// dst[0:n] = src[0:n] narrowed to T (16 lanes at a time where possible)
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVectorized<T>) {
+    for (; i + 16 <= n; i += 16) store16(dst + i, _mm512_loadu_ps(src + i));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// dst[0:n] = src[0:n] widened to float
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVectorized<T>) {
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = load(src, i);
+}
+
+}  // namespace tokenmill
