@@ -39,21 +39,24 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
       scores.resize(num_heads * len);  // [head][token]
       const T* qr = q + r * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = load(qr, i) * scale;
-      // scores = q . k over the context, block by block
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const T* kb = k_cache + static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
-        const int64_t n = std::min(block_size, len - j * block_size);
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = j * block_size + i;
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const T* k = kb + i * slot_stride + h * head_dim;
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t head = h * group + g;
-              scores[head * len + t] = dot(qf.data() + head * head_dim, k, head_dim);
+      // Calls f(t, head, row) for every context token t and query head, row being the
+      // head's K (or V) row in `cache`: blocks in table order, rows in slot order.
+      auto for_each_row = [&](const T* cache, auto&& f) {
+        for (int64_t j = 0; j < num_blocks; ++j) {
+          const T* block = cache + static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
+          const int64_t n = std::min(block_size, len - j * block_size);
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+              const T* row = block + i * slot_stride + h * head_dim;
+              for (int64_t g = 0; g < group; ++g) f(j * block_size + i, h * group + g, row);
             }
           }
         }
-      }
+      };
+      // scores = q . k
+      for_each_row(k_cache, [&](int64_t t, int64_t head, const T* k) {
+        scores[head * len + t] = dot(qf.data() + head * head_dim, k, head_dim);
+      });
       // softmax per query head (exp vectorizes: the build uses -ffast-math, so nothing here may be inf)
       for (int64_t head = 0; head < num_heads; ++head) {
         float* s = scores.data() + head * len;
@@ -70,20 +73,9 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
       }
       // out = p . v
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const T* vb = v_cache + static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
-        const int64_t n = std::min(block_size, len - j * block_size);
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = j * block_size + i;
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const T* v = vb + i * slot_stride + h * head_dim;
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t head = h * group + g;
-              axpy(scores[head * len + t], v, acc.data() + head * head_dim, head_dim);
-            }
-          }
-        }
-      }
+      for_each_row(v_cache, [&](int64_t t, int64_t head, const T* v) {
+        axpy(scores[head * len + t], v, acc.data() + head * head_dim, head_dim);
+      });
       T* o = out + r * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
     }
