@@ -201,3 +201,19 @@ def test_a_failing_request_does_not_take_others_down(checkpoints):
     assert len(finished[good.request_id].outputs[0].token_ids) == 6
     engine.kv_cache.check_integrity()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_streamed_deltas_add_up_to_the_final_output(llm):
+    engine = llm.engine
+    request, text = engine.make_request("def foo(x):", SamplingParams(max_tokens=10, temperature=0.8, seed=3,
+                                                                      logprobs=2, ignore_eos=True))
+    engine.add_request(request, text)
+    ids, texts, logprobs, final = [], [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids += out.new_token_ids
+            texts.append(out.new_text)
+            logprobs += out.new_logprobs
+            final = out
+    c = final.outputs[0]
+    assert final.finished and ids == c.token_ids and "".join(texts) == c.text and logprobs == c.logprobs

@@ -17,13 +17,19 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus)
+from tokenmill.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus,
+                                     TokenLogprobs)
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.loader import choose_device, choose_dtype, resolve_model_path
 from tokenmill.executor.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
+
+
+def _logprob_dict(entry: TokenLogprobs) -> dict[int, float]:
+    token, logprob, top = entry
+    return {**dict(top), token: logprob}
 
 
 @dataclass(slots=True)
@@ -170,9 +176,11 @@ class Engine:
 
     def _snapshot(self, tracked: _Tracked, new_text: str, new_ids: list[int]) -> RequestOutput:
         r = tracked.request
-        logprobs = None
+        logprobs = new_logprobs = None
         if r.logprobs is not None:
-            logprobs = [{**dict(top), tok: lp} for tok, lp, top in r.logprobs]
+            # the whole list only once, at the end: rebuilding it every step would be quadratic
+            new_logprobs = [_logprob_dict(e) for e in r.logprobs[len(r.logprobs) - len(new_ids):]]
+            logprobs = [_logprob_dict(e) for e in r.logprobs] if r.is_finished else None
         completion = CompletionOutput(
             index=0,
             text=tracked.detokenizer.text if tracked.detokenizer is not None else "",
@@ -184,7 +192,7 @@ class Engine:
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time,
                                  r.finish_time, max(r.num_cached_tokens, 0), r.num_preemptions)
         return RequestOutput(r.request_id, tracked.prompt, r.prompt_token_ids, [completion], r.is_finished,
-                             metrics, r.error, new_ids, new_text)
+                             metrics, r.error, new_ids, new_text, new_logprobs)
 
     def _decoder(self, skip_special_tokens: bool):
         backend = getattr(self.tokenizer, "backend_tokenizer", None)

@@ -119,6 +119,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # one dict {token_id: logprob} per generated token: the top-N plus the chosen token
+    # (in the request's final output; streamed outputs carry RequestOutput.new_logprobs)
     logprobs: list[dict[int, float]] | None = None
 
     @property
@@ -138,3 +139,4 @@ class RequestOutput:
     # tokens and text added since the previous output of this request (streaming)
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    new_logprobs: list[dict[int, float]] | None = None
