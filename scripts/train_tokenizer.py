@@ -28,7 +28,6 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 

@@ -60,7 +60,7 @@ class LLM:
         batch: list[tuple[int, Request, str | None]] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             prio = priority[i] if priority is not None else 0
-            for j in range(getattr(sp, "n", 1)):
+            for j in range(sp.n):
                 # the j-th of n samples: its own seed, so the n differ but stay reproducible
                 child = sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                 try:

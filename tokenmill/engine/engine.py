@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -209,5 +208,4 @@ class Engine:
             "kv_cache_usage": kv.usage,
             "prefix_cache_hit_rate": kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
-            "time": time.time(),
         }
