@@ -45,6 +45,11 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
         for (int64_t j = 0; j < num_blocks; ++j) {
           const T* block = cache + static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
           const int64_t n = std::min(block_size, len - j * block_size);
+          if (j + 1 < num_blocks) {
+            // blocks sit at random places: fetch the next one while this one is computed
+            prefetch_bytes(cache + static_cast<int64_t>(blocks[j + 1]) * block_size * slot_stride,
+                           block_size * slot_stride * sizeof(T));
+          }
           for (int64_t i = 0; i < n; ++i) {
             for (int64_t h = 0; h < num_kv_heads; ++h) {
               const T* row = block + i * slot_stride + h * head_dim;

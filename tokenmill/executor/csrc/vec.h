@@ -71,6 +71,11 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * load(x, i);
 }
 
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
