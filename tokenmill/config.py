@@ -124,8 +124,6 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
     sliding_window: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    bos_token_id: int | None = None
-    torch_dtype: str | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -175,8 +173,6 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
             eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
 
     @classmethod

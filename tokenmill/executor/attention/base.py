@@ -25,10 +25,6 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
 
 class AttentionBackend(Protocol):
     """Owns the paged KV cache of every layer. `begin_step` is called once per step

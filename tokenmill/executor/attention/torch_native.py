@@ -35,9 +35,8 @@ class TorchNativeBackend:
         # kv_cache: [num_layers, 2, num_blocks * block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.block_size = block_size
-        num_layers, _, num_slots, kv_heads, head_dim = kv_cache.shape
-        self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.block_numel = block_size * kv_heads * head_dim
+        self.kv_heads, self.head_dim = kv_cache.shape[-2:]
+        self.block_numel = block_size * self.kv_heads * self.head_dim
         self._workspace = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
         self.decode_kernel = decode_kernel  # paged_decode_attention(out, q, k, v, block_table, seq_lens, bs, scale)
         self.md: AttentionMetadata | None = None
