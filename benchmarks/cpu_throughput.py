@@ -90,18 +90,24 @@ def bench_hf(path: Path, args) -> dict:
     return {"tokenmill": ours, "hf_static": hf_runs, "ratio": ratio, "target": 4.0}
 
 
+def run_fresh(path: Path, requests, **engine_args) -> dict:
+    """One run on a new engine (bfloat16), freed afterwards so runs do not share memory."""
+    llm = LLM(str(path), dtype="bfloat16", **engine_args)
+    result = run_throughput(llm, requests, use_tqdm=False).to_dict()
+    result["prefix_cache_hit_rate"] = llm.engine.stats()["prefix_cache_hit_rate"]
+    del llm
+    gc.collect()
+    return result
+
+
 def bench_static(path: Path, args) -> dict:
     """Continuous vs static at each max_num_seqs: on a CPU a decode step costs about in
     proportion to its batch, so the gap is largest where per-step fixed costs dominate."""
     requests = random_requests(args.static_requests, (32, 256), (16, 512), SHAPE_56M["vocab_size"], seed=1)
     out = {}
     for seqs in args.max_num_seqs:
-        results = {}
-        for policy in ("continuous", "static"):
-            llm = LLM(str(path), dtype="bfloat16", scheduler=policy, max_num_seqs=seqs)
-            results[policy] = run_throughput(llm, requests, use_tqdm=False).to_dict()
-            del llm
-            gc.collect()
+        results = {policy: run_fresh(path, requests, scheduler=policy, max_num_seqs=seqs)
+                   for policy in ("continuous", "static")}
         ratio = results["continuous"]["output_throughput"] / results["static"]["output_throughput"]
         print(f"[static] continuous {results['continuous']['output_throughput']:.1f} tok/s vs static "
               f"{results['static']['output_throughput']:.1f} tok/s (max_num_seqs {seqs}, "
@@ -112,15 +118,8 @@ def bench_static(path: Path, args) -> dict:
 
 def bench_prefix(path: Path, args) -> dict:
     requests = random_requests(64, (16, 64), (16, 16), SHAPE_56M["vocab_size"], seed=2, prefix_len=1024)
-    results = {}
-    for caching in (True, False):
-        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=caching)
-        key = "prefix_caching_on" if caching else "prefix_caching_off"
-        r = run_throughput(llm, requests, use_tqdm=False).to_dict()
-        r["prefix_cache_hit_rate"] = llm.engine.stats()["prefix_cache_hit_rate"]
-        results[key] = r
-        del llm
-        gc.collect()
+    results = {f"prefix_caching_{'on' if caching else 'off'}": run_fresh(path, requests, enable_prefix_caching=caching)
+               for caching in (True, False)}
     ratio = results["prefix_caching_off"]["elapsed_s"] / results["prefix_caching_on"]["elapsed_s"]
     print(f"[prefix] 64 requests sharing a 1024-token prefix: {results['prefix_caching_on']['elapsed_s']:.2f}s "
           f"with prefix caching vs {results['prefix_caching_off']['elapsed_s']:.2f}s without: {ratio:.2f}x "
