@@ -8,8 +8,10 @@ code paths run instead, and the engine says so once at start-up.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import time
 from functools import cache
 from pathlib import Path
@@ -37,7 +39,9 @@ def load_cpu_kernels() -> ModuleType | None:
         # OpenMP from the same runtime torch uses (a second one would fight it for the cores)
         gomp = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
         ldflags = [str(gomp[0])] if gomp else ["-fopenmp"]
-        build_dir = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill")) / "cpu_kernels"
+        # -march=native code: one build folder per instruction set, in case the cache is shared
+        build_dir = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill")) / (
+            f"cpu_kernels-{platform.machine()}-{_cpu_flags_digest()}")
         build_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         sources = [str(_SRC / f) for f in ("bindings.cpp", "attention.cpp", "elementwise.cpp")]
@@ -50,3 +54,12 @@ def load_cpu_kernels() -> ModuleType | None:
         logger.warning("CPU kernels unavailable, using the torch-native path (%s: %s)",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+def _cpu_flags_digest() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
