@@ -38,7 +38,8 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
       const int64_t num_blocks = (len + block_size - 1) / block_size;
       scores.resize(num_heads * len);  // [head][token]
       const T* qr = q + r * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = load(qr, i) * scale;
+      load_row(qr, qf.data(), num_heads * head_dim);
+      for (float& x : qf) x *= scale;
       // Calls f(t, head, row) for every context token t and query head, row being the
       // head's K (or V) row in `cache`: blocks in table order, rows in slot order.
       auto for_each_row = [&](const T* cache, auto&& f) {
@@ -81,8 +82,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
       for_each_row(v_cache, [&](int64_t t, int64_t head, const T* v) {
         axpy(scores[head * len + t], v, acc.data() + head * head_dim, head_dim);
       });
-      T* o = out + r * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
+      store_row(out + r * num_heads * head_dim, acc.data(), num_heads * head_dim);
     }
   });
 }

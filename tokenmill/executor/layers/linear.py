@@ -12,20 +12,6 @@ from torch import nn
 from torch.nn import functional as F
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN's blocked weight layout pays on CPUs for 16-bit weights (15-40% on small batches)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available())
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 class Linear(nn.Module):
     """y = x W^T (+ b), whose output rows may be split into named shards."""
 
@@ -45,13 +31,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:
-        """Switches to the packed CPU layout once weights are loaded; the plain copy is dropped."""
-        if can_pack(self.weight):
-            self.packed = pack_weight(self.weight)
+        """Switches to oneDNN's packed layout once weights are loaded, where it pays: CPU,
+        16-bit weights (15-40% faster on small batches). This module's plain copy is dropped."""
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16) \
+                and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:

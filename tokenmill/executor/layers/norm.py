@@ -19,12 +19,9 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         kernels = kernels_for(x)
         if kernels is not None:
-            shape = x.shape
-            x2d = x.reshape(-1, shape[-1])
-            if x2d.stride(-1) != 1:
-                x2d = x2d.contiguous()
-            # one pass: residual += x in place, then the norm of the sum
-            out = kernels.rms_norm(x2d, residual, self.weight, self.eps).view(shape)
+            # one pass: residual += x in place, then the norm of the sum; [T, heads, d]
+            # (q/k norm) is flattened to rows, copied when the heads are a strided view
+            out = kernels.rms_norm(x.reshape(-1, x.shape[-1]), residual, self.weight, self.eps).view(x.shape)
             return out if residual is None else (out, residual)
         if residual is not None:
             # the residual stream stays in the model dtype, as in the reference implementation

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention.base import AttentionBackend
-from tokenmill.executor.layers.linear import Linear, can_pack, pack_weight, packed_linear
+from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.cpu_kernels import kernels_for
 from tokenmill.executor.layers.rotary import Rope, RotaryEmbedding
@@ -93,8 +93,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.packed_tied_head: torch.Tensor | None = None
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one parameter, named embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -105,19 +106,14 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.packed_tied_head is not None:
-            return packed_linear(hidden, self.packed_tied_head, None).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def pack_weights(self) -> None:
-        """After loading: every linear layer (and a tied head) in the fastest CPU layout."""
+        """After loading: every linear layer in the fastest CPU layout. A tied head packs
+        its own copy; the embedding keeps the plain weight for lookups."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None and can_pack(self.embed_tokens.weight):
-            self.packed_tied_head = pack_weight(self.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors (Hugging Face names) into the model; returns the
@@ -129,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             parts = name.split(".")
             target, shard = _FUSED.get(parts[-2], (None, "")) if len(parts) >= 2 else (None, "")
