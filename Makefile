@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run test bench clean
+.PHONY: install run generate test bench clean
 
 $(BIN)/tokenmill: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(BIN)/tokenmill: pyproject.toml
 install: $(BIN)/tokenmill
 
 run: install
+	$(BIN)/tokenmill serve
+
+generate: install
 	$(BIN)/tokenmill generate "def fibonacci(n):" --max-tokens 48
 
 test: install
@@ -22,6 +25,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/cpu_throughput.py
+	$(BIN)/python benchmarks/serve_throughput.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

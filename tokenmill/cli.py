@@ -1,4 +1,4 @@
-"""tokenmill command line: `tokenmill generate`, `tokenmill bench throughput`."""
+"""tokenmill command line: `tokenmill serve`, `tokenmill generate`, `tokenmill bench throughput`."""
 
 from __future__ import annotations
 
@@ -54,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send (default: --model, or tokenmill-default)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--max-waiting-requests", type=int, default=1024,
+                     help="requests queued beyond this get 503 with Retry-After")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGTERM")
+    srv.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    add_engine_args(srv)
+
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     gen.add_argument("prompt", help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -81,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "generate":
             return _generate(args)
         return _bench_throughput(args)
@@ -89,6 +104,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.launch import serve
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    return serve(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
+                 served_model_name=args.served_model_name, api_key=args.api_key,
+                 max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
+                 log_level=args.log_level.lower(), access_log=not args.disable_access_log)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,9 +125,26 @@ class Engine:
         self.scheduler.add_request(request)
         self._tracked[request.request_id] = _Tracked(request, prompt, detok)
 
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        self._tracked.pop(request_id, None)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request and frees its blocks; returns its final output (None if it was not
+        running here)."""
+        return self._end(request_id, RequestStatus.FINISHED_ABORTED, None)
+
+    def fail_request(self, request: Request, message: str) -> RequestOutput:
+        """Ends a request with an error, whether or not it was added; returns its final output."""
+        out = self._end(request.request_id, RequestStatus.FINISHED_ERROR, message)
+        if out is None:  # never got in
+            request.status, request.error, request.finish_time = RequestStatus.FINISHED_ERROR, message, time.time()
+            out = self._snapshot(_Tracked(request, None, None), "", [])
+        return out
+
+    def _end(self, request_id: str, status: RequestStatus, error: str | None) -> RequestOutput | None:
+        self.scheduler.finish_request(request_id, status)
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        tracked.request.error = error
+        return self._snapshot(tracked, tracked.detokenizer.delta(True) if tracked.detokenizer else "", [])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -207,5 +225,7 @@ class Engine:
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": kv.usage,
             "prefix_cache_hit_rate": kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
         }

@@ -1,0 +1,129 @@
+"""Serving overhead: output tokens/s of `tokenmill serve` at 64 concurrent streams against
+the offline engine (`tokenmill bench throughput`) on the same requests, in one run.
+
+    python benchmarks/serve_throughput.py [--rounds 2] [--num-prompts 64] [--output-json FILE]
+
+Workload: the random Llama of cpu_throughput.py (hidden 512, 8 layers) with the built-in
+tokenizer's 8192-token vocabulary (every token is text to stream), dummy weights, bf16,
+64 random-token prompts of 32..256 tokens, outputs of 32..256 tokens with ignore_eos,
+greedy. Each round runs the offline engine and then the server, each in a fresh
+process; the client (aiohttp, streamed completions, `usage` for token counts) runs in
+this process on the same machine. Target: server >= 90% of offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tokenmill.bench.client import run_concurrent
+from tokenmill.bench.workloads import random_requests
+from tokenmill.config import DEFAULT_MODEL_DIR
+
+# the 56M shape of cpu_throughput.py with the built-in tokenizer's vocabulary, so that every
+# generated token decodes to text and the server streams a chunk for it
+SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=8192, hidden_size=512,
+                 intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                 max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=0,
+                 eos_token_id=0, tie_word_embeddings=False)
+
+
+def make_model_dir(root: Path) -> Path:
+    path = root / "llama-bench"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(SHAPE))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / f, path / f)
+    return path
+
+
+def tokenmill_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", *args]
+
+
+def run_offline(model: Path, args, out: Path) -> dict:
+    subprocess.run(tokenmill_cmd("bench", "throughput", "--model", str(model), "--load-format", "dummy",
+                                 "--num-prompts", str(args.num_prompts), "--input-len", args.input_len,
+                                 "--output-len", args.output_len, "--seed", "0", "--no-progress",
+                                 "--output-json", str(out)), check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def run_server(model: Path, args, port: int) -> dict:
+    proc = subprocess.Popen(tokenmill_cmd("serve", "--model", str(model), "--load-format", "dummy",
+                                          "--port", str(port), "--served-model-name", "bench",
+                                          "--disable-access-log"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("the server did not start") from None
+                time.sleep(0.2)
+        vocab = SHAPE["vocab_size"]
+        requests = random_requests(args.num_prompts, _range(args.input_len), _range(args.output_len), vocab, seed=0)
+        records, elapsed = asyncio.run(run_concurrent(url, "bench", requests, args.concurrency))
+        failed = [r.error for r in records if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]}")
+        output_tokens = sum(r.output_tokens for r in records)
+        ttfts = [r.ttft for r in records if r.ttft is not None]
+        return {"elapsed_s": elapsed, "output_tokens": output_tokens, "output_throughput": output_tokens / elapsed,
+                "median_ttft_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
+                "text_chunks": sum(len(r.chunk_times) for r in records)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _range(value: str) -> tuple[int, int]:
+    lo, _, hi = value.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--input-len", default="32:256")
+    parser.add_argument("--output-len", default="32:256")
+    parser.add_argument("--port", type=int, default=18000)
+    parser.add_argument("--output-json", default="bench_results/serve_throughput.json")
+    args = parser.parse_args()
+
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model_dir(Path(tmp))
+        for i in range(args.rounds):
+            offline = run_offline(model, args, Path(tmp) / f"offline{i}.json")
+            served = run_server(model, args, args.port)
+            ratio = served["output_throughput"] / offline["output_throughput"]
+            rounds.append({"offline": offline, "server": served, "ratio": ratio})
+            print(f"round {i + 1}: offline {offline['output_throughput']:,.1f} tok/s, server "
+                  f"{served['output_throughput']:,.1f} tok/s (median TTFT {served['median_ttft_ms']:,.0f} ms): "
+                  f"server/offline = {ratio:.3f}", flush=True)
+    result = {"rounds": rounds, "mean_ratio": statistics.mean(r["ratio"] for r in rounds),
+              "cpu_count": os.cpu_count(), "target": 0.9}
+    print(f"server / offline, mean of {args.rounds} rounds: {result['mean_ratio']:.3f} (target >= 0.9)")
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

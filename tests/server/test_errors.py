@@ -1,0 +1,163 @@
+"""Bad input answers 4xx with an OpenAI error body and never disturbs other requests;
+auth; back-pressure; a schemathesis fuzz of the whole API finds no 5xx."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx2 as httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from tests.server.conftest import start_server
+
+CHAT = [{"role": "user", "content": "hi"}]
+# (path, body, status, param): body None = malformed JSON
+BAD = [
+    ("/v1/completions", None, 400, None),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x " * 400}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 1.0}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0].type"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 400}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+def post(url: str, body) -> httpx.Response:
+    data = b'{"prompt": "x", ' if body is None else json.dumps(body).encode()
+    return httpx.post(url, content=data, headers={"Content-Type": "application/json"}, timeout=30)
+
+
+def test_bad_input_is_4xx_and_disturbs_nobody(server):
+    # a long request runs while the bad ones come in: it must finish untouched
+    result = {}
+
+    def long_request():
+        result["r"] = post(f"{server.url}/v1/completions",
+                           {"prompt": "import sys", "max_tokens": 120, "ignore_eos": True, "temperature": 0})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    for path, body, status, param in BAD:
+        r = post(f"{server.url}{path}", body)
+        assert r.status_code == status, (path, body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], r.text
+        assert error["param"] == param, (body, error)
+    t.join()
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 120
+    # the lengths are named in the context errors
+    msg = post(f"{server.url}/v1/completions", {"prompt": "x " * 400}).json()["error"]["message"]
+    assert "max_model_len 256" in msg and "tokens" in msg
+    assert httpx.get(f"{server.url}/v1/nothing").status_code == 404
+    assert httpx.get(f"{server.url}/v1/completions").json()["error"]["type"] == "invalid_request_error"
+
+
+def test_api_key():
+    srv = start_server(api_key="sekret")
+    try:
+        body = {"prompt": "x", "max_tokens": 2}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(f"{srv.url}/v1/completions", json=body,
+                          headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 401
+        ok = httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert httpx.get(f"{srv.url}/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_back_pressure_503():
+    srv = start_server(max_waiting_requests=2, max_num_seqs=1)
+    try:
+        with httpx.Client(timeout=60) as client:
+            body = {"prompt": "x = 1", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            streams = [client.stream("POST", f"{srv.url}/v1/completions", json=body) for _ in range(3)]
+            responses = [s.__enter__() for s in streams]  # one running, two waiting
+            assert all(r.status_code == 200 for r in responses)
+            r = client.post(f"{srv.url}/v1/completions", json={"prompt": "y", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "overloaded"
+            # a single request that could never fit is a 400, not a 503
+            r = client.post(f"{srv.url}/v1/completions", json={"prompt": "y", "max_tokens": 2, "n": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+            for s in streams:
+                s.__exit__(None, None, None)
+        srv.wait_idle()
+        assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "y", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def fuzz_schema():
+    # short contexts keep every generated request cheap; n x prompts is capped by the queue bound
+    srv = start_server(max_model_len=24, max_waiting_requests=32)
+    yield schemathesis.openapi.from_url(f"{srv.url}/openapi.json")
+    srv.stop()
+
+
+schema = schemathesis.pytest.from_fixture("fuzz_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzz_no_server_errors(case):
+    case.call_and_validate(checks=[not_a_server_error], timeout=60)
+
+
+def test_failed_step_fails_its_requests_not_the_server():
+    srv = start_server()
+    try:
+        runner = srv.engine.engine.runner
+        real_execute = runner.execute
+
+        def broken(*args, **kwargs):
+            runner.execute = real_execute  # only the next step fails
+            raise RuntimeError("injected fault")
+
+        runner.execute = broken
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        runner.execute = broken
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30,
+                          json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert "injected fault" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+        # the loop goes on
+        ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        assert srv.wait_idle()["tokenmill:request_finished_total{finished_reason=error}"] == 2
+        srv.engine.engine.kv_cache.check_integrity()
+        assert srv.engine.engine.kv_cache.usage == 0.0
+    finally:
+        srv.stop()

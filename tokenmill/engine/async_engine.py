@@ -1,0 +1,233 @@
+"""AsyncEngine: the engine loop on its own thread, one asyncio stream per request.
+
+    event loop (HTTP)                         engine thread
+    ----------------                          -------------
+    make_request()  (validate, tokenize)
+    generate() ---- inbox: add ------------>  drain inbox -> Engine.add_request
+        ^                                     Engine.step()  (torch releases the GIL)
+        +---- call_soon_threadsafe(outputs) --  one hand-over per step
+    consumer gone -> inbox: abort -------->   Engine.abort_request (blocks freed before the next step)
+
+Only the engine thread touches the Engine's state; the event loop only reads
+a few counters. A consumer that falls behind gets its pending deltas merged
+into one output, so a slow client costs one chunk, not one per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than `max_waiting_requests` allows."""
+
+
+class StepObserver(Protocol):
+    """Called on the engine thread after every step (metrics)."""
+
+    def observe_step(self, outputs: Sequence[RequestOutput], stats: dict[str, float], now: float) -> None: ...
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024,
+                 observer: StepObserver | None = None) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.max_waiting_requests = max_waiting_requests
+        self.observer = observer
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._num_inbox_adds = 0  # adds sent by the event loop
+        self._num_taken = 0  # adds the engine thread has taken
+        self._wakeup = threading.Event()
+        self._started = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        # The engine is built on its own thread, not only run there: torch's OpenMP pool belongs
+        # to the thread that first runs parallel work, and a second pool in the process (one
+        # per thread) makes libgomp stop spin-waiting, which slows small CPU ops by ~20%.
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(config, built), name="tokenmill-engine",
+                                        daemon=True)
+        self._thread.start()
+        built.wait()
+        if self.error is not None:
+            raise self.error
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+
+    # -- life cycle -------------------------------------------------------------
+    def start(self) -> None:
+        """Starts stepping; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._started.set()
+
+    async def stop(self) -> None:
+        """Aborts what is left and joins the engine thread."""
+        self._stopping = True
+        self._started.set()
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_running(self) -> bool:
+        return self._started.is_set() and self._thread.is_alive() and not self._stopping
+
+    # -- requests -------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> tuple[Request, str | None]:
+        """Validates and tokenizes on the caller's thread; raises ValueError naming the limit."""
+        return self.engine.make_request(prompt, params, request_id=request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued in the engine plus those still on their way to it."""
+        return self.engine.scheduler.num_waiting + max(0, self._num_inbox_adds - self._num_taken)
+
+    def check_capacity(self, num_new: int) -> None:
+        """Raises QueueFullError when `num_new` more waiting requests would pass the bound."""
+        if self.num_waiting + num_new > self.max_waiting_requests:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting (max_waiting_requests "
+                                 f"{self.max_waiting_requests}); retry later")
+
+    async def generate(self, request: Request, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queues the request and yields its outputs (deltas) until it finishes. Closing the
+        iterator early (client gone, task cancelled) aborts the request."""
+        if not self.is_running:
+            yield self.engine.fail_request(request, "the engine is not running")
+            return
+        rid = request.request_id
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[rid] = stream
+        self._num_inbox_adds += 1
+        self._send("add", (request, prompt))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                while not out.finished and not stream.empty():
+                    out = _merge(out, stream.get_nowait())
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._send("abort", rid)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def _send(self, kind: str, payload: object) -> None:
+        self._inbox.put((kind, payload))
+        self._wakeup.set()
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    # -- engine thread ------------------------------------------------------------
+    def _main(self, config: EngineConfig, built: threading.Event) -> None:
+        try:
+            self.engine = Engine(config)
+        except BaseException as e:  # noqa: BLE001 - re-raised by __init__ on the caller's thread
+            self.error = e
+            return
+        finally:
+            built.set()
+        self._started.wait()
+        self._run()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                outputs = self._drain_inbox()
+                if engine.has_unfinished_requests():
+                    outputs += self._step()
+                if outputs:
+                    self._publish(outputs)
+                if not engine.has_unfinished_requests() and not self._stopping:
+                    self._wakeup.wait()
+        except BaseException as e:  # noqa: BLE001 - logged and reported to every open stream
+            logger.exception("engine loop died")
+            self.error = e
+        finally:
+            self._stopping = True
+            outputs = self._drain_inbox()  # requests still on their way in are failed too
+            outputs += self._fail_in_flight("the engine stopped" if self.error is None else
+                                           f"engine error: {self.error}")
+            if outputs:
+                self._publish(outputs)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                request, prompt = payload  # type: ignore[misc]
+                self._num_taken += 1
+                try:
+                    self.engine.add_request(request, prompt)
+                except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: fails that request only
+                    outputs.append(self.engine.fail_request(request, f"{type(e).__name__}: {e}"))
+            else:
+                out = self.engine.abort_request(payload)  # type: ignore[arg-type]
+                if out is not None:
+                    outputs.append(out)
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the server
+            logger.exception("engine step failed; failing the requests in flight")
+            return self._fail_in_flight(f"{type(e).__name__}: {e}")
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if self.observer is not None:
+            try:
+                self.observer.observe_step(outputs, self.engine.stats(), time.time())
+            except Exception:  # noqa: BLE001 - metrics never stop the engine
+                logger.exception("step observer failed")
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_in_flight(self, message: str) -> list[RequestOutput]:
+        requests = list(self.engine.scheduler.requests.values())
+        return [self.engine.fail_request(r, message) for r in requests]
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One output carrying the deltas of two consecutive ones."""
+    logprobs = None
+    if a.new_logprobs is not None or b.new_logprobs is not None:
+        logprobs = (a.new_logprobs or []) + (b.new_logprobs or [])
+    return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text,
+                   new_logprobs=logprobs)
+

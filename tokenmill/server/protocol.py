@@ -1,0 +1,159 @@
+"""OpenAI request/response schemas (pydantic) and the OpenAI-style error body.
+
+Requests are validated strictly (a string is not a number) and extra fields that
+OpenAI clients send (`user`, `metadata`, ...) are ignored. Fields that would
+change the output but are not implemented are rejected with a 400, not ignored.
+Extensions follow vLLM's names: `top_k`, `min_p`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; answered as `{"error": {...}}` with `status_code`."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code, self.message, self.param = status_code, message, param
+        self.type, self.code, self.headers = type, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat. None means the default."""
+
+    model: str | None = Field(None, description="served model name; default: the one served")
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="extension: -1 or 0 disables")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = Field(None, description="up to 4 strings (OpenAI); more are accepted")
+    stop_token_ids: list[int] | None = Field(None, description="extension")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="extension: generate max_tokens tokens whatever they are")
+    min_tokens: int = Field(0, ge=0, description="extension")
+    skip_special_tokens: bool = Field(True, description="extension")
+    include_stop_str_in_output: bool = Field(False, description="extension")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="a string, a list of strings, a list of token ids, or a list of those")
+    max_tokens: int | None = Field(16, ge=1, description="default 16, as OpenAI's")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
+    suffix: str | None = Field(None, description="not supported")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # parts other than text are answered with a 400 naming the part
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = Field(True, description="extension")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extension: passed to the template")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
+
+
+# -- responses (documented in /openapi.json; built as plain dicts on the hot path) ----------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: dict[str, Any]
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tokenmill"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,210 @@
+"""What completions and chat share on top of AsyncEngine: sampling parameters, one
+engine request per choice (prompts x n), merged output streams, usage, errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenmill.engine.async_engine import AsyncEngine, QueueFullError
+from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.protocol import APIError, _SamplingRequest
+
+_PARAM = re.compile(r"^(\w+)(?:\[\d+\])?(?::|\s)")
+_ENGINE_PARAMS = {"prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                  "stop", "stop_token_ids", "min_tokens", "logprobs", "n"}
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    request: Request
+    prompt_text: str | None
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]) -> None:
+        self.engine = engine
+        self.model_names = list(served_model_names)
+        self.tokenizer = engine.tokenizer
+        self._token_text: dict[int, str] = {}
+
+    # -- shared ---------------------------------------------------------------
+    def model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise APIError(404, f"The model `{requested}` does not exist; this server serves "
+                           f"{', '.join(self.model_names)}", param="model", code="model_not_found")
+        return requested
+
+    def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise APIError(400, f"{name}: only 0 is supported", param=name)
+        if req.logit_bias:
+            raise APIError(400, "logit_bias: not supported", param="logit_bias")
+        defaults = SamplingParams()
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, n=1, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                temperature=defaults.temperature if req.temperature is None else req.temperature,
+                top_p=defaults.top_p if req.top_p is None else req.top_p,
+                top_k=defaults.top_k if req.top_k is None else req.top_k,
+                min_p=defaults.min_p if req.min_p is None else req.min_p,
+                ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise bad_request(e) from e
+
+    def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams, n: int, base_id: str,
+               prompt_param: str = "prompt") -> list[Choice]:
+        """Validates every (prompt, sample) pair and checks the queue bound; nothing is queued yet."""
+        if not self.engine.is_running:
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+        total = len(prompts) * n
+        if total > self.engine.max_waiting_requests:
+            raise APIError(400, f"this request asks for {total} completions (prompts x n); the server queues "
+                           f"at most {self.engine.max_waiting_requests}", param="n")
+        try:
+            self.engine.check_capacity(total)
+        except QueueFullError as e:
+            raise APIError(503, str(e), type="server_error", code="overloaded", headers={"Retry-After": "1"}) from e
+        choices = []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                # the j-th sample of a seeded request gets seed + j: different, and reproducible
+                sp = params if n == 1 or params.seed is None else with_seed(params, params.seed + j)
+                try:
+                    request, text = self.engine.make_request(prompt, sp, request_id=f"{base_id}-{i * n + j}")
+                except ValueError as e:
+                    raise bad_request(e, prompt_param, index=i if len(prompts) > 1 else None) from e
+                choices.append(Choice(i * n + j, request, text))
+        return choices
+
+    async def outputs(self, choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output delta) as they come, from every choice; closing it aborts them all."""
+        if len(choices) == 1:
+            c = choices[0]
+            async with contextlib.aclosing(self.engine.generate(c.request, c.prompt_text)) as gen:
+                async for out in gen:
+                    yield c.index, out
+            return
+        merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            async for out in self.engine.generate(c.request, c.prompt_text):
+                merged.put_nowait((c.index, out))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, out = await merged.get()
+                remaining -= out.finished
+                yield index, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def deltas(self, choices: list[Choice], finals: dict[int, RequestOutput]
+                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """outputs(), keeping each choice's final output in `finals`; raises GenerationFailed
+        when a choice ends in an error (the others are then aborted)."""
+        async with contextlib.aclosing(self.outputs(choices)) as stream:
+            async for index, out in stream:
+                if out.finished:
+                    if out.error is not None or out.outputs[0].finish_reason == "abort":
+                        raise GenerationFailed(out.error or "aborted by the server")
+                    finals[index] = out
+                yield index, out
+
+    async def final_outputs(self, choices: list[Choice]) -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for _ in self.deltas(choices, finals):
+                pass
+        except GenerationFailed as e:
+            raise APIError(500, str(e), type="server_error", code="generation_failed") from e
+        return [finals[c.index] for c in choices]
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return replace(params, seed=seed)
+
+
+def bad_request(e: ValueError, prompt_param: str = "prompt", index: int | None = None) -> APIError:
+    """A ValueError from SamplingParams or the engine as a 400 naming its parameter."""
+    message = str(e)
+    m = _PARAM.match(message)
+    param = m.group(1) if m and m.group(1) in _ENGINE_PARAMS else None
+    if param in ("prompt", "prompt_token_ids"):
+        param = prompt_param if index is None else f"{prompt_param}[{index}]"
+        if index is not None:
+            message = f"{prompt_param}[{index}]: {message}"
+    return APIError(400, message, param=param)
+
+
+def usage(choices: Sequence[Choice], finals: Sequence[RequestOutput], n: int) -> dict[str, int]:
+    # a prompt counts once, however many samples it had
+    prompt = sum(len(c.request.prompt_token_ids) for c in choices[::n])
+    completion = sum(len(out.outputs[0].token_ids) for out in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class GenerationFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"generation failed: {reason}")
+
+
+@dataclass(slots=True)
+class Envelope:
+    """The fields every answer and every chunk of one request repeats."""
+
+    id: str
+    object: str
+    model: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    def chunk(self, choice: dict[str, Any]) -> str:
+        data = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.include_usage:  # OpenAI: null on every chunk but the last when usage was asked for
+            data["usage"] = None
+        return sse(data)
+
+    def usage_chunk(self, usage: dict[str, int]) -> str:
+        return sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                    "choices": [], "usage": usage})
+
+
+def error_event(e: GenerationFailed) -> str:
+    return sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": "generation_failed"}})
+
+
+SSE_DONE = "data: [DONE]\n\n"
