@@ -86,6 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--output-json", default=None, help="write the results to this JSON file")
     tp.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(tp)
+
+    sv = bench_sub.add_parser("serve", help="online benchmark of any OpenAI-compatible server (streamed completions)")
+    sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    sv.add_argument("--model", required=True, help="the model name the server expects")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--tokenizer", default=None,
+                    help="the server's tokenizer (directory or hub id; default: --model): prompts are random token "
+                         "ids of exactly --input-len tokens from its vocabulary")
+    sv.add_argument("--num-prompts", type=int, default=100)
+    sv.add_argument("--input-len", default="32:256", help="N or MIN:MAX prompt tokens")
+    sv.add_argument("--output-len", default="32:256", help="N or MIN:MAX output tokens (max_tokens + ignore_eos)")
+    sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
+    sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
+    sv.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    sv.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the figures")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--slo", default=None, help="goodput objectives, e.g. ttft_ms=500,tpot_ms=50,e2e_ms=10000")
+    sv.add_argument("--cost-per-hour", type=float, default=None, help="price of one GPU (or machine) hour, dollars")
+    sv.add_argument("--num-gpus", type=int, default=1)
+    sv.add_argument("--output-json", default=None)
+    sv.add_argument("--save-detailed", action="store_true", help="add per-request records to --output-json")
+    sv.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -98,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "generate":
             return _generate(args)
+        if args.bench_command == "serve":
+            from tokenmill.bench.serve import bench_serve
+            return bench_serve(args)
         return _bench_throughput(args)
     except ValueError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+import numpy as np
 
 from tokenmill.bench.workloads import BenchRequest
 
@@ -24,6 +26,7 @@ class RequestRecord:
 
     start: float
     end: float = 0.0
+    scheduled: float | None = None  # when the arrival schedule said to send it
     chunk_times: list[float] = field(default_factory=list)  # chunks that carried text
     prompt_tokens: int | None = None
     output_tokens: int | None = None
@@ -42,9 +45,9 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
                             headers: dict[str, str] | None = None) -> RequestRecord:
     payload = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
                "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    record = RequestRecord(start=time.perf_counter())
+    record = RequestRecord(start=time.perf_counter())  # moved to the moment the body is sent (_TRACE)
     try:
-        async with session.post(url, json=payload, headers=headers) as resp:
+        async with session.post(url, json=payload, headers=headers, trace_request_ctx=record) as resp:
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return record
@@ -72,21 +75,72 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: str
     return record
 
 
-async def run_concurrent(base_url: str, model: str, requests: Sequence[BenchRequest], max_concurrency: int,
-                         api_key: str | None = None) -> tuple[list[RequestRecord], float]:
-    """Sends every request, at most `max_concurrency` in flight; returns the records (in
-    request order) and the wall time from the first send to the last answer."""
+async def _body_sent(session: aiohttp.ClientSession, ctx: object, params: object) -> None:
+    # latencies count from when the request left the client; the client's own delay before
+    # that is reported as lateness against the schedule instead
+    record = getattr(ctx, "trace_request_ctx", None)
+    if isinstance(record, RequestRecord):
+        record.start = time.perf_counter()
+
+
+def _trace_config() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(_body_sent)
+    return trace
+
+
+def arrival_offsets(num: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times (seconds from the start) of `num` requests: all at 0 for an infinite rate,
+    else gaps drawn from a gamma distribution of mean 1/rate (shape `burstiness`; 1 is Poisson)."""
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request rate and burstiness must be > 0, got {request_rate} and {burstiness}")
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+async def run_benchmark(base_url: str, model: str, requests: Sequence[BenchRequest], *,
+                        request_rate: float = math.inf, burstiness: float = 1.0,
+                        max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
+                        warmup: Sequence[BenchRequest] = (),
+                        on_done: Callable[[RequestRecord], None] | None = None) -> tuple[list[RequestRecord], float]:
+    """Sends the requests on a precomputed arrival schedule, at most `max_concurrency` in
+    flight; returns the records (in request order) and the wall time from the first send
+    to the last answer. `warmup` requests go first, all at once (within the concurrency
+    limit), on the same connection pool, and are left out."""
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    limit = asyncio.Semaphore(max_concurrency)
-    connector = aiohttp.TCPConnector(limit=max_concurrency)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
 
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async def one(request: BenchRequest) -> RequestRecord:
-            async with limit:
-                return await stream_completion(session, url, model, request, headers)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[_trace_config()]) as session:
+        async def one(request: BenchRequest, at: float, measured: bool = True) -> RequestRecord:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is not None:
+                async with limit:
+                    record = await stream_completion(session, url, model, request, headers)
+            else:
+                record = await stream_completion(session, url, model, request, headers)
+            record.scheduled = start + at
+            if on_done is not None and measured:
+                on_done(record)
+            return record
 
         start = time.perf_counter()
-        records = await asyncio.gather(*(one(r) for r in requests))
-        return list(records), time.perf_counter() - start
+        await asyncio.gather(*(one(r, 0.0, measured=False) for r in warmup))
+        start = time.perf_counter()
+        records = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets)))
+        return list(records), max(r.end for r in records) - start
+
+
+async def run_concurrent(base_url: str, model: str, requests: Sequence[BenchRequest], max_concurrency: int,
+                         api_key: str | None = None) -> tuple[list[RequestRecord], float]:
+    """All requests at once, at most `max_concurrency` in flight."""
+    return await run_benchmark(base_url, model, requests, max_concurrency=max_concurrency, api_key=api_key)

@@ -1,0 +1,129 @@
+"""`tokenmill bench serve` against a server of known timing, against tokenmill serve, and
+with bad arguments; the cost arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME, free_port, start_server
+from tokenmill.bench.metrics import cost_figures, parse_slo
+from tokenmill.cli import main
+from tokenmill.config import DEFAULT_MODEL_DIR
+
+
+@pytest.fixture(scope="module")
+def known_server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("known_server.py")), str(port)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            httpx.get(f"{url}/v1/models", timeout=1)
+            break
+        except httpx.TransportError:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait()
+
+
+def run_bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    assert main(["bench", "serve", "--tokenizer", str(DEFAULT_MODEL_DIR), "--no-progress", "--output-json", str(out),
+                 *args]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("concurrency", [1, 64])
+def test_known_timing(known_server, tmp_path, concurrency):
+    n = 64 if concurrency == 64 else 8
+    r = run_bench(tmp_path, "--base-url", known_server, "--model", "known", "--num-prompts", str(n),
+                  "--input-len", "20", "--output-len", "21", "--max-concurrency", str(concurrency),
+                  "--slo", "ttft_ms=1000,tpot_ms=100", "--save-detailed", "--warmup", str(concurrency))
+    assert r["completed"] == n and r["failed"] == 0
+    assert r["total_output_tokens"] == 21 * n and r["total_input_tokens"] == 20 * n
+    # at 64 the known server itself takes a few ms to accept the burst of 64 requests
+    tolerance = 3 if concurrency == 1 else 10
+    assert r["mean_ttft_ms"] == pytest.approx(50, abs=tolerance)
+    assert r["p99_ttft_ms"] == pytest.approx(50, abs=2.5 * tolerance)
+    assert r["mean_tpot_ms"] == pytest.approx(10, abs=1) and r["median_itl_ms"] == pytest.approx(10, abs=2)
+    assert r["mean_e2el_ms"] == pytest.approx(250, abs=tolerance + 5)  # 50 + 20 x 10
+    assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # every request meets the SLO
+    expected_duration = 0.25 * (n if concurrency == 1 else 1)
+    assert r["duration"] == pytest.approx(expected_duration, rel=0.1, abs=0.03)
+    assert len(r["requests"]) == n and all(len(x["chunk_times"]) == 21 for x in r["requests"])
+
+
+def test_request_rate_and_goodput(known_server, tmp_path):
+    r = run_bench(tmp_path, "--base-url", known_server, "--model", "known", "--num-prompts", "20",
+                  "--input-len", "5", "--output-len", "3", "--request-rate", "40", "--burstiness", "0.5",
+                  "--slo", "ttft_ms=1", "--cost-per-hour", "10", "--num-gpus", "2")
+    assert r["completed"] == 20 and r["request_goodput"] == 0.0  # nobody gets a token within 1 ms
+    assert r["mean_send_lateness_ms"] < 20
+    assert r["dollars_per_million_output_tokens"] == pytest.approx(20 / (r["output_throughput"] * 3600) * 1e6)
+
+
+def test_cost_is_exact():
+    c = cost_figures(10_000, cost_per_hour=10.0)
+    assert c["dollars_per_million_output_tokens"] == pytest.approx(10 / 36, rel=1e-12)  # $0.2778, not $1
+    assert round(c["dollars_per_million_output_tokens"], 2) == 0.28
+    assert c["output_tokens_per_dollar"] == pytest.approx(3_600_000)
+    assert cost_figures(10_000, 10.0, num_gpus=4)["output_throughput_per_gpu"] == 2_500
+    assert math.isclose(cost_figures(10_000, 10.0, num_gpus=4)["dollars_per_million_output_tokens"], 40 / 36)
+
+
+def test_against_tokenmill_serve(tmp_path):
+    srv = start_server()
+    try:
+        r = run_bench(tmp_path, "--base-url", srv.url, "--model", MODEL_NAME, "--num-prompts", "16",
+                      "--input-len", "8:32", "--output-len", "4:16", "--max-concurrency", "8", "--warmup", "2")
+        assert r["completed"] == 16 and r["failed"] == 0
+        m = srv.wait_idle()
+        assert m["tokenmill:request_finished_total{finished_reason=length}"] == 18  # warm-up included
+        assert m["tokenmill:generation_tokens_total"] >= r["total_output_tokens"] >= 16 * 4
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--request-rate", "-1"], "--request-rate"),
+    (["--slo", "ttft=5"], "--slo"),
+    (["--slo", "ttft_ms=abc"], "--slo: ttft_ms"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--input-len", "5:2"], "--input-len"),
+    (["--base-url", "ftp://x"], "--base-url"),
+    (["--base-url", "http://127.0.0.1:9"], "cannot reach"),
+])
+def test_bad_arguments(args, message, capsys):
+    base = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(DEFAULT_MODEL_DIR),
+            "--no-progress"]
+    assert main(base + args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_server_errors_are_counted(known_server, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = main(["bench", "serve", "--base-url", known_server, "--model", "broken", "--tokenizer",
+                 str(DEFAULT_MODEL_DIR), "--num-prompts", "3", "--no-progress", "--output-json", str(out)])
+    assert code == 1
+    r = json.loads(out.read_text())
+    assert r["completed"] == 0 and r["failed"] == 3
+    assert "broken on purpose" in capsys.readouterr().out
+
+
+def test_parse_slo():
+    assert parse_slo("ttft_ms=200, tpot_ms=50") == {"ttft_ms": 200.0, "tpot_ms": 50.0}
+    with pytest.raises(ValueError, match="ttft_ms must be > 0"):
+        parse_slo("ttft_ms=0")
