@@ -39,13 +39,14 @@ def check_args(args: argparse.Namespace) -> dict[str, float] | None:
 
 
 def vocab_size(tokenizer: str) -> int:
-    from tokenmill.engine.detokenizer import load_tokenizer
+    # an HTTP client only (DESIGN.md): the tokenizer comes from transformers, not from the engine
+    from transformers import AutoTokenizer
 
     try:
-        return len(load_tokenizer(tokenizer))
-    except ValueError as e:
+        return len(AutoTokenizer.from_pretrained(tokenizer))
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise ValueError(f"--tokenizer: cannot load {tokenizer!r} to make prompts of exact lengths; pass "
-                         f"--tokenizer DIR with the server's tokenizer ({e})") from None
+                         f"--tokenizer DIR with the server's tokenizer ({type(e).__name__}: {e})") from None
 
 
 def check_server(base_url: str) -> None:
