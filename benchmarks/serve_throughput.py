@@ -26,7 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tokenmill.bench.client import run_concurrent
+from tokenmill.bench.client import run_benchmark
 from tokenmill.bench.workloads import random_requests
 from tokenmill.config import DEFAULT_MODEL_DIR
 
@@ -77,7 +77,7 @@ def run_server(model: Path, args, port: int) -> dict:
                 time.sleep(0.2)
         vocab = SHAPE["vocab_size"]
         requests = random_requests(args.num_prompts, _range(args.input_len), _range(args.output_len), vocab, seed=0)
-        records, elapsed = asyncio.run(run_concurrent(url, "bench", requests, args.concurrency))
+        records, elapsed = asyncio.run(run_benchmark(url, "bench", requests, max_concurrency=args.concurrency))
         failed = [r.error for r in records if not r.ok]
         if failed:
             raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]}")

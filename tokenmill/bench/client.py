@@ -139,8 +139,3 @@ async def run_benchmark(base_url: str, model: str, requests: Sequence[BenchReque
         records = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets)))
         return list(records), max(r.end for r in records) - start
 
-
-async def run_concurrent(base_url: str, model: str, requests: Sequence[BenchRequest], max_concurrency: int,
-                         api_key: str | None = None) -> tuple[list[RequestRecord], float]:
-    """All requests at once, at most `max_concurrency` in flight."""
-    return await run_benchmark(base_url, model, requests, max_concurrency=max_concurrency, api_key=api_key)

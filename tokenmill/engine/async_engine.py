@@ -129,15 +129,9 @@ class AsyncEngine:
             if not finished:
                 self._send("abort", rid)
 
-    def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
-
     def _send(self, kind: str, payload: object) -> None:
         self._inbox.put((kind, payload))
         self._wakeup.set()
-
-    def stats(self) -> dict[str, float]:
-        return self.engine.stats()
 
     # -- engine thread ------------------------------------------------------------
     def _main(self, config: EngineConfig, built: threading.Event) -> None:

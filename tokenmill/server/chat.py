@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from tokenmill.engine.request import RequestOutput
 from tokenmill.server.protocol import APIError, ChatCompletionRequest
-from tokenmill.server.serving import (SSE_DONE, Choice, Envelope, GenerationFailed, OpenAIServing, error_event,
-                                      usage)
+from tokenmill.server.serving import Choice, Envelope, OpenAIServing, usage
 
 # used when the tokenizer has no chat template of its own
 FALLBACK_CHAT_TEMPLATE = (
@@ -85,23 +84,19 @@ class ChatServing(OpenAIServing):
 
         for c in choices:
             yield envelope.chunk(choice(c.index, {"role": "assistant", "content": ""}))
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for index, out in self.deltas(choices, finals):
-                logprobs = None
-                if req.logprobs and out.new_token_ids:
-                    logprobs = {"content": self._chat_logprobs(out.new_token_ids, out.new_logprobs or [],
-                                                               req.top_logprobs or 0)}
-                if out.new_text or logprobs:
-                    yield envelope.chunk(choice(index, {"content": out.new_text}, logprobs))
-                if out.finished:
-                    yield envelope.chunk(choice(index, {}, finish=out.outputs[0].finish_reason))
-        except GenerationFailed as e:
-            yield error_event(e)
-        else:
-            if include_usage:
-                yield envelope.usage_chunk(usage(choices, [finals[c.index] for c in choices], req.n))
-        yield SSE_DONE
+
+        def chunks(index: int, out: RequestOutput) -> Iterator[str]:
+            logprobs = None
+            if req.logprobs and out.new_token_ids:
+                logprobs = {"content": self._chat_logprobs(out.new_token_ids, out.new_logprobs or [],
+                                                           req.top_logprobs or 0)}
+            if out.new_text or logprobs:
+                yield envelope.chunk(choice(index, {"content": out.new_text}, logprobs))
+            if out.finished:
+                yield envelope.chunk(choice(index, {}, finish=out.outputs[0].finish_reason))
+
+        async for chunk in self.sse_stream(choices, envelope, req.n, chunks):
+            yield chunk
 
     def _chat_logprobs(self, token_ids: Sequence[int], entries: Sequence[dict[int, float]],
                        top_n: int) -> list[dict[str, Any]]:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from tokenmill.engine.request import RequestOutput
 from tokenmill.server.protocol import APIError, CompletionRequest
-from tokenmill.server.serving import (SSE_DONE, Choice, Envelope, GenerationFailed, OpenAIServing, error_event,
-                                      usage)
+from tokenmill.server.serving import Choice, Envelope, OpenAIServing, usage
 
 
 class CompletionServing(OpenAIServing):
@@ -51,22 +50,18 @@ class CompletionServing(OpenAIServing):
             for c in choices:
                 yield envelope.chunk(choice(c.index, self._prompt_text(c)))
         offsets = {c.index: 0 for c in choices}
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for index, out in self.deltas(choices, finals):
-                logprobs = None
-                if req.logprobs is not None and out.new_token_ids:
-                    logprobs = self._completion_logprobs(out.new_token_ids, out.new_logprobs or [], offsets[index])
-                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
-                finish = out.outputs[0].finish_reason if out.finished else None
-                if out.new_text or logprobs or finish:
-                    yield envelope.chunk(choice(index, out.new_text, logprobs, finish))
-        except GenerationFailed as e:
-            yield error_event(e)
-        else:
-            if include_usage:
-                yield envelope.usage_chunk(usage(choices, [finals[c.index] for c in choices], req.n))
-        yield SSE_DONE
+
+        def chunks(index: int, out: RequestOutput) -> Iterator[str]:
+            logprobs = None
+            if req.logprobs is not None and out.new_token_ids:
+                logprobs = self._completion_logprobs(out.new_token_ids, out.new_logprobs or [], offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            finish = out.outputs[0].finish_reason if out.finished else None
+            if out.new_text or logprobs or finish:
+                yield envelope.chunk(choice(index, out.new_text, logprobs, finish))
+
+        async for chunk in self.sse_stream(choices, envelope, req.n, chunks):
+            yield chunk
 
     def _completion_logprobs(self, token_ids: Sequence[int], entries: Sequence[dict[int, float]],
                              offset: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -131,6 +131,22 @@ class OpenAIServing:
                         raise GenerationFailed(out.error or "aborted by the server")
                     finals[index] = out
                 yield index, out
+
+    async def sse_stream(self, choices: list[Choice], envelope: Envelope, n: int,
+                         chunks: Callable[[int, RequestOutput], Iterable[str]]) -> AsyncIterator[str]:
+        """The SSE body of a streamed answer: `chunks(index, output)` for every delta, then an
+        error event if a choice failed, else the usage chunk (when asked for), then [DONE]."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for index, out in self.deltas(choices, finals):
+                for chunk in chunks(index, out):
+                    yield chunk
+        except GenerationFailed as e:
+            yield error_event(e)
+        else:
+            if envelope.include_usage:
+                yield envelope.usage_chunk(usage(choices, [finals[c.index] for c in choices], n))
+        yield SSE_DONE
 
     async def final_outputs(self, choices: list[Choice]) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
