@@ -26,6 +26,7 @@ test: install
 bench: install
 	$(BIN)/python benchmarks/cpu_throughput.py
 	$(BIN)/python benchmarks/serve_throughput.py
+	$(BIN)/python benchmarks/bench_client.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -59,12 +59,12 @@ def hf_static_throughput(path: Path, requests, batch_size: int) -> dict:
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
+        width = max(len(r.prompt) for r in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, r in enumerate(batch):
-            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[j, width - len(r.prompt_token_ids):] = 1
+            ids[j, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[j, width - len(r.prompt):] = 1
         max_new = max(r.output_len for r in batch)
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,

@@ -1,4 +1,4 @@
-"""tokenmill command line: `tokenmill serve`, `tokenmill generate`, `tokenmill bench throughput`."""
+"""tokenmill command line: `tokenmill serve`, `tokenmill generate`, `tokenmill bench throughput|serve|sweep|sla`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any
 
+from tokenmill.bench.workloads import WORKLOADS
 from tokenmill.config import EngineConfig
 
 # flag -> (EngineConfig field, argparse kwargs); names follow `vllm serve` where the idea is the same
@@ -49,6 +50,35 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {dest: getattr(args, dest) for dest, _ in ENGINE_FLAGS.values()}
 
 
+def add_online_bench_args(p: argparse.ArgumentParser) -> None:
+    """Flags of every online benchmark: the server, the workload, the arrival process, cost."""
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the model name the server expects")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                   help="/v1/completions or /v1/chat/completions (one user message)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="the server's tokenizer (directory or hub id; default: --model; 'none': do without): "
+                        "prompts of exact lengths, and token counts when the server sends no usage")
+    p.add_argument("--workload", default="random", metavar="|".join(WORKLOADS),
+                   help="random: random words of --input-len tokens; shared-prefix: --num-prefixes prefixes of "
+                        "--prefix-len tokens, each request adds a random suffix of --input-len tokens; file:PATH: "
+                        "JSONL of {\"prompt\", \"output_len\" (optional)} or ShareGPT JSON")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", default="32:256", help="N or MIN:MAX prompt tokens (suffix tokens for shared-prefix)")
+    p.add_argument("--output-len", default="32:256",
+                   help="N or MIN:MAX output tokens (max_tokens + ignore_eos); file workloads use the file's "
+                        "lengths where it has them")
+    p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: number of distinct prefixes")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per prefix")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the figures")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost-per-hour", type=float, default=None, help="price of one GPU (or machine) hour, dollars")
+    p.add_argument("--num-gpus", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A throughput-first LLM inference engine.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -87,27 +117,38 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(tp)
 
-    sv = bench_sub.add_parser("serve", help="online benchmark of any OpenAI-compatible server (streamed completions)")
-    sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    sv.add_argument("--model", required=True, help="the model name the server expects")
-    sv.add_argument("--api-key", default=None)
-    sv.add_argument("--tokenizer", default=None,
-                    help="the server's tokenizer (directory or hub id; default: --model): prompts are random token "
-                         "ids of exactly --input-len tokens from its vocabulary")
-    sv.add_argument("--num-prompts", type=int, default=100)
-    sv.add_argument("--input-len", default="32:256", help="N or MIN:MAX prompt tokens")
-    sv.add_argument("--output-len", default="32:256", help="N or MIN:MAX output tokens (max_tokens + ignore_eos)")
+    sv = bench_sub.add_parser("serve", help="online benchmark of any OpenAI-compatible server (streamed requests)")
+    add_online_bench_args(sv)
     sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
-    sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
     sv.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    sv.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the figures")
-    sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--slo", default=None, help="goodput objectives, e.g. ttft_ms=500,tpot_ms=50,e2e_ms=10000")
-    sv.add_argument("--cost-per-hour", type=float, default=None, help="price of one GPU (or machine) hour, dollars")
-    sv.add_argument("--num-gpus", type=int, default=1)
     sv.add_argument("--output-json", default=None)
     sv.add_argument("--save-detailed", action="store_true", help="add per-request records to --output-json")
-    sv.add_argument("--no-progress", action="store_true")
+
+    sw = bench_sub.add_parser("sweep", help="bench serve at several load levels: throughput-latency curve "
+                                            "(PNG, CSV, JSON)")
+    add_online_bench_args(sw)
+    sw.add_argument("--concurrency", default=None, help="levels of concurrency, e.g. 1,2,4,8,16")
+    sw.add_argument("--request-rates", default=None, help="levels of requests/s, e.g. 1,2,4,inf")
+    sw.add_argument("--max-concurrency", type=int, default=None, help="with --request-rates: in flight at most")
+    sw.add_argument("--slo", default=None, help="goodput objectives per run, as in bench serve")
+    sw.add_argument("--output-dir", default="bench-sweep", help="where sweep.png, sweep.csv and sweep.json go")
+
+    sla = bench_sub.add_parser("sla", help="the highest throughput whose run meets an SLO (searches concurrency "
+                                           "or request rate)")
+    add_online_bench_args(sla)
+    sla.add_argument("--slo", required=True,
+                     help="objectives on the run's statistics, e.g. p99_ttft_ms=1000,p99_tpot_ms=50 (mean_, median_, "
+                          "p90_, p99_ of ttft, tpot, itl, e2el)")
+    sla.add_argument("--search", default="concurrency", choices=["concurrency", "rate"],
+                     help="concurrency: each probe sends max(--num-prompts, 4 x concurrency) requests; rate: "
+                          "--num-prompts requests at that many requests/s")
+    sla.add_argument("--lower", type=float, default=1, help="first level probed (default 1)")
+    sla.add_argument("--upper", type=float, default=256, help="highest level probed (default 256)")
+    sla.add_argument("--max-concurrency", type=int, default=None, help="with --search rate: in flight at most")
+    sla.add_argument("--rate-tolerance", type=float, default=0.1,
+                     help="with --search rate: stop bisecting when the bounds are this close (relative)")
+    sla.add_argument("--output-json", default=None)
     return parser
 
 
@@ -123,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.bench_command == "serve":
             from tokenmill.bench.serve import bench_serve
             return bench_serve(args)
+        if args.bench_command == "sweep":
+            from tokenmill.bench.sweep import bench_sweep
+            return bench_sweep(args)
+        if args.bench_command == "sla":
+            from tokenmill.bench.sweep import bench_sla
+            return bench_sla(args)
         return _bench_throughput(args)
     except ValueError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)

@@ -1,55 +1,27 @@
 """`tokenmill bench serve` against a server of known timing, against tokenmill serve, and
-with bad arguments; the cost arithmetic."""
+with bad arguments; the cost arithmetic. (Workloads, sweep and sla: test_workloads_sweep.py.)"""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import httpx2 as httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, free_port, start_server
+from tests.bench.conftest import run_bench
+from tests.server.conftest import MODEL_NAME, start_server
 from tokenmill.bench.metrics import cost_figures, parse_slo
 from tokenmill.cli import main
 from tokenmill.config import DEFAULT_MODEL_DIR
 
 
-@pytest.fixture(scope="module")
-def known_server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("known_server.py")), str(port)])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while True:
-        try:
-            httpx.get(f"{url}/v1/models", timeout=1)
-            break
-        except httpx.TransportError:
-            assert time.time() < deadline
-            time.sleep(0.1)
-    yield url
-    proc.terminate()
-    proc.wait()
-
-
-def run_bench(tmp_path, *args: str) -> dict:
-    out = tmp_path / "result.json"
-    assert main(["bench", "serve", "--tokenizer", str(DEFAULT_MODEL_DIR), "--no-progress", "--output-json", str(out),
-                 *args]) == 0
-    return json.loads(out.read_text())
-
-
-@pytest.mark.parametrize("concurrency", [1, 64])
-def test_known_timing(known_server, tmp_path, concurrency):
+@pytest.mark.parametrize("concurrency, endpoint", [(1, "completions"), (64, "completions"), (1, "chat")])
+def test_known_timing(known_server, tmp_path, concurrency, endpoint):
     n = 64 if concurrency == 64 else 8
     r = run_bench(tmp_path, "--base-url", known_server, "--model", "known", "--num-prompts", str(n),
                   "--input-len", "20", "--output-len", "21", "--max-concurrency", str(concurrency),
-                  "--slo", "ttft_ms=1000,tpot_ms=100", "--save-detailed", "--warmup", str(concurrency))
+                  "--slo", "ttft_ms=1000,tpot_ms=100", "--save-detailed", "--warmup", str(concurrency),
+                  "--endpoint", endpoint)
     assert r["completed"] == n and r["failed"] == 0
     assert r["total_output_tokens"] == 21 * n and r["total_input_tokens"] == 20 * n
     # at 64 the known server itself takes a few ms to accept the burst of 64 requests
@@ -63,6 +35,19 @@ def test_known_timing(known_server, tmp_path, concurrency):
     expected_duration = 0.25 * (n if concurrency == 1 else 1)
     assert r["duration"] == pytest.approx(expected_duration, rel=0.1, abs=0.03)
     assert len(r["requests"]) == n and all(len(x["chunk_times"]) == 21 for x in r["requests"])
+    assert r["token_counts"] == f"the server's usage: {n} requests"
+
+
+@pytest.mark.parametrize("tokenizer, source", [(str(DEFAULT_MODEL_DIR), "the tokenizer"), ("none", "text chunks")])
+def test_token_counts_without_usage(known_server, tmp_path, tokenizer, source):
+    out = tmp_path / "r.json"
+    assert main(["bench", "serve", "--base-url", known_server, "--model", "no-usage", "--tokenizer", tokenizer,
+                 "--num-prompts", "4", "--input-len", "12", "--output-len", "9", "--no-progress",
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 4 and r["total_output_tokens"] == 36 and r["total_input_tokens"] == 48
+    assert r["token_counts"].startswith(source)
+    assert ("approximate" in r["workload"]) == (tokenizer == "none")
 
 
 def test_request_rate_and_goodput(known_server, tmp_path):
@@ -104,6 +89,12 @@ def test_against_tokenmill_serve(tmp_path):
     (["--input-len", "5:2"], "--input-len"),
     (["--base-url", "ftp://x"], "--base-url"),
     (["--base-url", "http://127.0.0.1:9"], "cannot reach"),
+    (["--workload", "sharegpt"], "--workload must be one of"),
+    (["--workload", "file:/does/not/exist.jsonl"], "cannot read"),
+    (["--workload", "shared-prefix", "--prefix-len", "0"], "--prefix-len"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--cost-per-hour", "-2"], "--cost-per-hour"),
+    (["--tokenizer", "/does/not/exist"], "--tokenizer: cannot load"),
 ])
 def test_bad_arguments(args, message, capsys):
     base = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(DEFAULT_MODEL_DIR),

@@ -2,7 +2,8 @@
 timestamp per chunk, a bounded number of requests in flight.
 
 It is an HTTP client only (DESIGN.md): it never imports the engine. Token counts come
-from the server's `usage` (asked for with `stream_options.include_usage`).
+from the server's `usage` (asked for with `stream_options.include_usage`); a server that
+sends none gets its tokens counted by the caller (`count_tokens`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import asyncio
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -31,6 +34,8 @@ class RequestRecord:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     error: str | None = None
+    text: str = ""  # the generated text
+    usage: bool = True  # token counts from the server's usage; False: counted by the client
 
     @property
     def ok(self) -> bool:
@@ -41,37 +46,67 @@ class RequestRecord:
         return self.chunk_times[0] - self.start if self.chunk_times else None
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, request: BenchRequest,
-                            headers: dict[str, str] | None = None) -> RequestRecord:
-    payload = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-               "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def request_payload(model: str, request: BenchRequest, endpoint: str) -> dict:
+    """Greedy, exactly `output_len` tokens (max_tokens + ignore_eos, an extension that
+    vLLM, SGLang and tokenmill take), streamed with a final usage chunk."""
+    payload = {"model": model, "max_tokens": request.output_len, "temperature": 0.0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        if not isinstance(request.prompt, str):
+            raise ValueError("the chat endpoint needs text prompts, not token ids")
+        payload["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        payload["prompt"] = request.prompt
+    return payload
+
+
+def _chunk_text(chunk: dict, chat: bool) -> str:
+    text = ""
+    for choice in chunk.get("choices") or ():
+        if chat:
+            delta = choice.get("delta") or {}
+            text += (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        else:
+            text += choice.get("text") or ""
+    return text
+
+
+async def stream_request(session: aiohttp.ClientSession, url: str, payload: dict,
+                         headers: dict[str, str] | None = None) -> RequestRecord:
+    """Sends one streamed request; a chunk is timed when it carries text."""
+    chat = "messages" in payload
     record = RequestRecord(start=time.perf_counter())  # moved to the moment the body is sent (_TRACE)
+    parts: list[str] = []
     try:
         async with session.post(url, json=payload, headers=headers, trace_request_ctx=record) as resp:
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return record
             async for line in resp.content:
-                if not line.startswith(b"data: "):
+                if not line.startswith(b"data:"):
                     continue
-                data = line[6:].strip()
+                data = line[5:].strip()
                 if data == b"[DONE]":
                     break
                 now = time.perf_counter()
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    record.error = chunk["error"].get("message", "stream error")
+                    record.error = str((chunk["error"] or {}).get("message", "stream error"))
                     break
-                if any(c.get("text") for c in chunk.get("choices", ())):
+                text = _chunk_text(chunk, chat)
+                if text:
                     record.chunk_times.append(now)
+                    parts.append(text)
                 usage = chunk.get("usage")
                 if usage:
                     record.prompt_tokens, record.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         record.error = f"{type(e).__name__}: {e}"
     record.end = time.perf_counter()
-    if record.error is None and record.output_tokens is None:
-        record.error = "the stream ended without a usage chunk"
+    record.text = "".join(parts)
     return record
 
 
@@ -102,7 +137,31 @@ def arrival_offsets(num: int, request_rate: float, burstiness: float = 1.0, seed
     return np.cumsum(gaps).tolist()
 
 
-async def run_benchmark(base_url: str, model: str, requests: Sequence[BenchRequest], *,
+def count_tokens(records: Sequence[RequestRecord], requests: Sequence[BenchRequest], tokenizer: Any | None) -> str:
+    """Fills in the token counts of successful requests whose server sent no `usage`: the
+    prompt's from the workload, the output's with the tokenizer (or one per text chunk
+    without one). Returns how the tokens were counted, for the report."""
+    counted: Counter[str] = Counter()
+    for record, request in zip(records, requests):
+        if not record.ok:
+            continue
+        if record.output_tokens is not None:
+            counted["usage"] += 1
+            continue
+        record.usage = False
+        record.prompt_tokens = request.prompt_len
+        if tokenizer is not None:
+            record.output_tokens = len(tokenizer.encode(record.text, add_special_tokens=False))
+            counted["tokenizer"] += 1
+        else:
+            record.output_tokens = len(record.chunk_times)
+            counted["chunks"] += 1
+    notes = {"usage": "the server's usage", "tokenizer": "the tokenizer (no usage from the server)",
+             "chunks": "text chunks, one token each (no usage from the server, no tokenizer)"}
+    return "; ".join(f"{notes[k]}: {n} requests" for k, n in counted.items()) or "no request completed"
+
+
+async def run_benchmark(base_url: str, model: str, requests: Sequence[BenchRequest], *, endpoint: str = "completions",
                         request_rate: float = math.inf, burstiness: float = 1.0,
                         max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
                         warmup: Sequence[BenchRequest] = (),
@@ -111,31 +170,31 @@ async def run_benchmark(base_url: str, model: str, requests: Sequence[BenchReque
     flight; returns the records (in request order) and the wall time from the first send
     to the last answer. `warmup` requests go first, all at once (within the concurrency
     limit), on the same connection pool, and are left out."""
-    url = base_url.rstrip("/") + "/v1/completions"
+    url = base_url.rstrip("/") + ENDPOINTS[endpoint]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+    payloads = [request_payload(model, r, endpoint) for r in requests]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[_trace_config()]) as session:
-        async def one(request: BenchRequest, at: float, measured: bool = True) -> RequestRecord:
+        async def one(payload: dict, at: float, measured: bool = True) -> RequestRecord:
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if limit is not None:
                 async with limit:
-                    record = await stream_completion(session, url, model, request, headers)
+                    record = await stream_request(session, url, payload, headers)
             else:
-                record = await stream_completion(session, url, model, request, headers)
+                record = await stream_request(session, url, payload, headers)
             record.scheduled = start + at
             if on_done is not None and measured:
                 on_done(record)
             return record
 
         start = time.perf_counter()
-        await asyncio.gather(*(one(r, 0.0, measured=False) for r in warmup))
+        await asyncio.gather(*(one(request_payload(model, r, endpoint), 0.0, measured=False) for r in warmup))
         start = time.perf_counter()
-        records = await asyncio.gather(*(one(r, at) for r, at in zip(requests, offsets)))
+        records = await asyncio.gather(*(one(p, at) for p, at in zip(payloads, offsets)))
         return list(records), max(r.end for r in records) - start
-

@@ -17,8 +17,11 @@ import numpy as np
 
 from tokenmill.bench.client import RequestRecord
 
-SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 PERCENTILES = (50, 90, 99)
+# per-request objectives (goodput) and objectives on a run's statistics (bench sla)
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+RUN_SLO_KEYS = tuple(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
+                     for stat in ("mean", "median", *(f"p{p}" for p in PERCENTILES)))
 
 
 def parse_slo(text: str, keys: Sequence[str] = SLO_KEYS) -> dict[str, float]:
@@ -37,7 +40,7 @@ def parse_slo(text: str, keys: Sequence[str] = SLO_KEYS) -> dict[str, float]:
             raise ValueError(f"--slo: {key} must be > 0, got {value!r}")
         slo[key] = ms
     if not slo:
-        raise ValueError(f"--slo: no objective given (example: ttft_ms=200,tpot_ms=50); keys: {', '.join(keys)}")
+        raise ValueError(f"--slo: no objective given; expected KEY=MILLISECONDS,... with KEY in {', '.join(keys)}")
     return slo
 
 

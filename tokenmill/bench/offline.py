@@ -28,7 +28,7 @@ class ThroughputResult:
 
 def run_throughput(llm: LLM, requests: list[BenchRequest], use_tqdm: bool = True,
                    temperature: float = 0.0) -> ThroughputResult:
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    prompts = [{"prompt_token_ids": r.prompt} for r in requests]
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, detokenize=True)
               for r in requests]
     engine = llm.engine
@@ -36,7 +36,7 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], use_tqdm: bool = True
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
-    input_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    input_tokens = sum(r.prompt_len for r in requests)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return ThroughputResult(
         num_requests=len(requests),

@@ -1,32 +1,41 @@
 """`tokenmill bench serve`: load an OpenAI-compatible server and report TTFT, TPOT, ITL,
-E2E, throughput, goodput and cost (definitions in bench/metrics.py)."""
+E2E, throughput, goodput and cost (definitions in bench/metrics.py).
+
+The pieces here (checks, tokenizer, workload, one run) are shared with `bench sweep`
+and `bench sla` (bench/sweep.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import math
+import os
 import urllib.error
 import urllib.request
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from tokenmill.bench.client import RequestRecord, run_benchmark
+from tokenmill.bench.client import RequestRecord, count_tokens, run_benchmark
 from tokenmill.bench.metrics import parse_slo, summarize
 from tokenmill.bench.report import print_table, write_json
-from tokenmill.bench.workloads import parse_range, random_requests
+from tokenmill.bench.workloads import (
+    WORKLOADS,
+    BenchRequest,
+    file_requests,
+    parse_range,
+    shared_prefix_requests,
+    text_requests,
+)
 
 
-def check_args(args: argparse.Namespace) -> dict[str, float] | None:
-    """Raises ValueError naming the flag; returns the parsed SLO."""
+def check_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag."""
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if not args.request_rate > 0:
-        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if not args.burstiness > 0:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.num_gpus < 1:
@@ -35,18 +44,48 @@ def check_args(args: argparse.Namespace) -> dict[str, float] | None:
         raise ValueError(f"--cost-per-hour must be > 0, got {args.cost_per_hour}")
     if not args.base_url.startswith(("http://", "https://")):
         raise ValueError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
-    return parse_slo(args.slo) if args.slo else None
+    if args.workload not in ("random", "shared-prefix") and not args.workload.startswith("file:"):
+        raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {args.workload!r}")
+    if args.workload == "shared-prefix" and (args.num_prefixes < 1 or args.prefix_len < 1):
+        raise ValueError(f"--num-prefixes and --prefix-len must be >= 1, got {args.num_prefixes} and {args.prefix_len}")
 
 
-def vocab_size(tokenizer: str) -> int:
+def load_tokenizer(args: argparse.Namespace) -> Any | None:
+    """The server's tokenizer, or None (prompt lengths then approximate, said in the report).
+    A --tokenizer given explicitly must load."""
+    name = args.tokenizer or args.model
+    if name.lower() == "none":
+        return None
     # an HTTP client only (DESIGN.md): the tokenizer comes from transformers, not from the engine
     from transformers import AutoTokenizer
 
     try:
-        return len(AutoTokenizer.from_pretrained(tokenizer))
+        return AutoTokenizer.from_pretrained(name)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
-        raise ValueError(f"--tokenizer: cannot load {tokenizer!r} to make prompts of exact lengths; pass "
-                         f"--tokenizer DIR with the server's tokenizer ({type(e).__name__}: {e})") from None
+        if args.tokenizer:
+            raise ValueError(f"--tokenizer: cannot load {name!r} ({type(e).__name__}: {e})") from None
+        print(f"note: no tokenizer for {name!r} (pass --tokenizer DIR for exact prompt lengths); prompts are "
+              f"common English words, about one token each")
+        return None
+
+
+def build_workload(args: argparse.Namespace, tokenizer: Any | None) -> tuple[list[BenchRequest], str]:
+    """warm-up + measured requests, and a line that says what they are."""
+    input_len = parse_range(args.input_len, "--input-len")
+    output_len = parse_range(args.output_len, "--output-len")
+    num = args.warmup + args.num_prompts
+    lengths = "exact" if tokenizer is not None else "approximate, no tokenizer"
+    if args.workload == "random":
+        requests = text_requests(num, input_len, output_len, tokenizer, seed=args.seed)
+        note = f"random: input {args.input_len} tokens ({lengths}), output {args.output_len} tokens"
+    elif args.workload == "shared-prefix":
+        requests = shared_prefix_requests(num, args.num_prefixes, args.prefix_len, input_len, output_len, tokenizer,
+                                          seed=args.seed)
+        note = (f"shared-prefix: {args.num_prefixes} prefixes of {args.prefix_len} tokens + suffixes of "
+                f"{args.input_len} tokens ({lengths}), output {args.output_len} tokens")
+    else:
+        requests, note = file_requests(args.workload[len("file:"):], num, output_len, tokenizer, seed=args.seed)
+    return requests, note
 
 
 def check_server(base_url: str) -> None:
@@ -59,35 +98,72 @@ def check_server(base_url: str) -> None:
         raise ValueError(f"--base-url: cannot reach {base_url}: {getattr(e, 'reason', e)}") from None
 
 
-def bench_serve(args: argparse.Namespace) -> int:
-    slo = check_args(args)
-    input_len = parse_range(args.input_len, "--input-len")
-    output_len = parse_range(args.output_len, "--output-len")
-    vocab = vocab_size(args.tokenizer or args.model)
-    check_server(args.base_url)
-    requests = random_requests(args.warmup + args.num_prompts, input_len, output_len, vocab, seed=args.seed)
+def run_once(args: argparse.Namespace, requests: list[BenchRequest], tokenizer: Any | None, *, request_rate: float,
+             max_concurrency: int | None, slo: dict[str, float] | None = None,
+             desc: str = "bench serve") -> tuple[dict[str, Any], list[RequestRecord]]:
+    """One run of the workload (the first --warmup requests left out); the summary and the records."""
     warmup, measured = requests[:args.warmup], requests[args.warmup:]
-    bar = tqdm(total=len(measured), desc="bench serve", unit="req", disable=args.no_progress, dynamic_ncols=True)
-
-    def done(_: RequestRecord) -> None:
-        bar.update(1)
-
+    bar = tqdm(total=len(measured), desc=desc, unit="req", disable=args.no_progress, dynamic_ncols=True)
     try:
         records, duration = asyncio.run(run_benchmark(
-            args.base_url, args.model, measured, request_rate=args.request_rate, burstiness=args.burstiness,
-            seed=args.seed, api_key=args.api_key, max_concurrency=args.max_concurrency, warmup=warmup,
-            on_done=done))
+            args.base_url, args.model, measured, endpoint=args.endpoint, request_rate=request_rate,
+            burstiness=args.burstiness, seed=args.seed, api_key=args.api_key, max_concurrency=max_concurrency,
+            warmup=warmup, on_done=lambda _: bar.update(1)))
     finally:
         bar.close()
-    result = summarize(records, duration, slo=slo, cost_per_hour=args.cost_per_hour, num_gpus=args.num_gpus)
-    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
-    print_table(f"tokenmill bench serve: {args.base_url} ({args.model}), rate {rate}, "
-                f"concurrency {args.max_concurrency or 'unbounded'}", result)
+    token_counts = count_tokens(records, measured, tokenizer)
+    result: dict[str, Any] = summarize(records, duration, slo=slo, cost_per_hour=args.cost_per_hour,
+                                       num_gpus=args.num_gpus)
+    result["token_counts"] = token_counts
     failed = [r for r in records if not r.ok]
     if failed:
-        print(f"{len(failed)} of {len(records)} requests failed; first error: {failed[0].error}")
+        result["first_error"] = failed[0].error
+    return result, records
+
+
+def describe(args: argparse.Namespace, request_rate: float, max_concurrency: int | None) -> str:
+    rate = "inf" if math.isinf(request_rate) else f"{request_rate:g}/s"
+    return (f"{args.base_url} ({args.model}, {args.endpoint}), rate {rate}, "
+            f"concurrency {max_concurrency or 'unbounded'}")
+
+
+def config_json(args: argparse.Namespace) -> dict[str, Any]:
+    # JSON has no infinity; the key stays out of the file
+    return {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
+            for k, v in vars(args).items() if k != "api_key"}
+
+
+def print_result(title: str, result: dict[str, Any], workload: str) -> None:
+    print_table(title, result)
+    print(f"workload: {workload}")
+    print(f"token counts from {result['token_counts']}")
+    if result["failed"]:
+        print(f"{result['failed']} of {result['failed'] + result['completed']} requests failed; first error: "
+              f"{result['first_error']}")
+
+
+def prepare(args: argparse.Namespace) -> tuple[list[BenchRequest], str, Any | None]:
+    check_args(args)
+    tokenizer = load_tokenizer(args)
+    requests, workload = build_workload(args, tokenizer)
+    if args.endpoint == "chat" and tokenizer is not None:
+        workload += "; the chat template adds tokens around each prompt"
+    check_server(args.base_url)
+    return requests, workload, tokenizer
+
+
+def bench_serve(args: argparse.Namespace) -> int:
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    slo = parse_slo(args.slo) if args.slo else None
+    requests, workload, tokenizer = prepare(args)
+    result, records = run_once(args, requests, tokenizer, request_rate=args.request_rate,
+                               max_concurrency=args.max_concurrency, slo=slo)
+    print_result(f"tokenmill bench serve: {describe(args, args.request_rate, args.max_concurrency)}", result, workload)
     if args.output_json:
-        config = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)  # JSON has no infinity
-                  for k, v in vars(args).items() if k != "api_key"}
-        write_json(args.output_json, {**result, "config": config}, records if args.save_detailed else None)
+        write_json(args.output_json, {**result, "workload": workload, "config": config_json(args)},
+                   records if args.save_detailed else None)
+        print(f"wrote {os.path.abspath(args.output_json)}")
     return 0 if result["completed"] else 1
