@@ -37,7 +37,8 @@ class QueueFullError(RuntimeError):
 
 
 class StepObserver(Protocol):
-    """Called on the engine thread after every step (metrics)."""
+    """Called on the event loop with every step's outputs and the engine's stats as of that
+    step (metrics)."""
 
     def observe_step(self, outputs: Sequence[RequestOutput], stats: dict[str, float], now: float) -> None: ...
 
@@ -195,18 +196,20 @@ class AsyncEngine:
             return self._fail_in_flight(f"{type(e).__name__}: {e}")
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        if self.observer is not None:
-            try:
-                self.observer.observe_step(outputs, self.engine.stats(), time.time())
-            except Exception:  # noqa: BLE001 - metrics never stop the engine
-                logger.exception("step observer failed")
+        # the observer runs on the event loop, off the engine's critical path
+        stats = self.engine.stats() if self.observer is not None else None
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            self._loop.call_soon_threadsafe(self._dispatch, outputs, stats, time.time())
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], stats: dict[str, float] | None, now: float) -> None:
+        if self.observer is not None:
+            try:
+                self.observer.observe_step(outputs, stats or {}, now)
+            except Exception:  # noqa: BLE001 - metrics never stop the engine or the streams
+                logger.exception("step observer failed")
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:

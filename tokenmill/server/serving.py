@@ -195,24 +195,29 @@ class GenerationFailed(Exception):
 
 @dataclass(slots=True)
 class Envelope:
-    """The fields every answer and every chunk of one request repeats."""
+    """The fields every answer and every chunk of one request repeats; a chunk's JSON around
+    its choice is rendered once."""
 
     id: str
     object: str
     model: str
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    _head: str = field(init=False, repr=False)
+    _tail: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        head = sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model})
+        self._head = head[:-len("}\n\n")] + ',"choices":['
+        # OpenAI: usage is null on every chunk but the last when usage was asked for
+        self._tail = '],"usage":null}\n\n' if self.include_usage else "]}\n\n"
 
     def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
 
     def chunk(self, choice: dict[str, Any]) -> str:
-        data = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice]}
-        if self.include_usage:  # OpenAI: null on every chunk but the last when usage was asked for
-            data["usage"] = None
-        return sse(data)
+        return self._head + json.dumps(choice, ensure_ascii=False, separators=(",", ":")) + self._tail
 
     def usage_chunk(self, usage: dict[str, int]) -> str:
         return sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
