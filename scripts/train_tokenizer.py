@@ -52,13 +52,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def stdlib_sources(stdlib_dir: Path) -> list[str]:
-    """Return the UTF-8 text of every ``*.py`` file under *stdlib_dir*.
+def stdlib_files(stdlib_dir: Path) -> list[tuple[str, str]]:
+    """Return ``(path relative to stdlib_dir, UTF-8 text)`` of every ``*.py`` file under *stdlib_dir*.
 
     Walks directories and files in sorted order, skips ``site-packages``
     (third-party code) and any file that cannot be read or is not valid UTF-8.
     """
-    texts: list[str] = []
+    files: list[tuple[str, str]] = []
     for dirpath, dirnames, filenames in os.walk(stdlib_dir):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
         for name in sorted(filenames):
@@ -66,10 +66,15 @@ def stdlib_sources(stdlib_dir: Path) -> list[str]:
                 continue
             path = Path(dirpath) / name
             try:
-                texts.append(path.read_bytes().decode("utf-8"))
+                files.append((path.relative_to(stdlib_dir).as_posix(), path.read_bytes().decode("utf-8")))
             except (OSError, UnicodeDecodeError):
                 continue
-    return texts
+    return files
+
+
+def stdlib_sources(stdlib_dir: Path) -> list[str]:
+    """Return the UTF-8 text of every ``*.py`` file under *stdlib_dir* (see `stdlib_files`)."""
+    return [text for _, text in stdlib_files(stdlib_dir)]
 
 
 def build_tokenizer() -> Tokenizer:

