@@ -144,13 +144,15 @@ def bench_sla(args: argparse.Namespace) -> int:
                          f"got {lower:g} and {upper:g}")
     if not 0 < args.rate_tolerance < 1:
         raise ValueError(f"--rate-tolerance must be in (0, 1), got {args.rate_tolerance}")
-    _, workload, tokenizer = prepare(args)
+    prepared, workload, tokenizer = prepare(args)
     probes: list[dict[str, Any]] = []
 
     def probe(level: float) -> bool:
         # a concurrency probe sends at least 4 requests per slot, so that the level is held
         num = max(args.num_prompts, 4 * int(level)) if integer else args.num_prompts
-        requests, _ = build_workload(argparse.Namespace(**{**vars(args), "num_prompts": num}), tokenizer)
+        requests = prepared
+        if num != args.num_prompts:
+            requests, _ = build_workload(argparse.Namespace(**{**vars(args), "num_prompts": num}), tokenizer)
         result, _ = run_once(args, requests, tokenizer, desc=_label(by, level), **_level_args(args, by, level))
         ok = result["failed"] == 0 and all(result[k] <= limit for k, limit in slo.items())
         probes.append({by: _json_level(level), "meets_slo": ok, **result})

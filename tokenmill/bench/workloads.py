@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,7 @@ def _jsonl(path: Path, text: str) -> list[tuple[str, int | None]]:
     return items
 
 
-def _sharegpt(path: Path, text: str, count, exact: bool) -> list[tuple[str, int | None]]:
+def _sharegpt(path: Path, text: str, count: Callable[[str], int], exact: bool) -> list[tuple[str, int | None]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
