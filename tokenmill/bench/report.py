@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,4 +29,15 @@ def write_json(path: str | Path, result: dict[str, Any], records: list[RequestRe
     if records is not None:
         data["requests"] = [asdict(r) for r in records]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2))
+    Path(path).write_text(json.dumps(_finite(data), indent=2, allow_nan=False))
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no infinity or NaN: they are written as the strings "inf" and "nan"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -128,9 +128,7 @@ def describe(args: argparse.Namespace, request_rate: float, max_concurrency: int
 
 
 def config_json(args: argparse.Namespace) -> dict[str, Any]:
-    # JSON has no infinity; the key stays out of the file
-    return {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
-            for k, v in vars(args).items() if k != "api_key"}
+    return {k: v for k, v in vars(args).items() if k != "api_key"}  # the key stays out of the file
 
 
 def print_result(title: str, result: dict[str, Any], workload: str) -> None:

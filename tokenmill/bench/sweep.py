@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import math
 from pathlib import Path
@@ -49,12 +48,8 @@ def _level_args(args: argparse.Namespace, by: str, level: float) -> dict[str, An
     return {"request_rate": level, "max_concurrency": args.max_concurrency}
 
 
-def _label(by: str, level: float | str) -> str:
-    return f"c={int(level)}" if by == "concurrency" else f"{float(level):g}/s"
-
-
-def _json_level(level: float) -> float | str:
-    return "inf" if math.isinf(level) else level  # JSON has no infinity
+def _label(by: str, level: float) -> str:
+    return f"c={int(level)}" if by == "concurrency" else f"{level:g}/s"
 
 
 def bench_sweep(args: argparse.Namespace) -> int:
@@ -70,14 +65,14 @@ def bench_sweep(args: argparse.Namespace) -> int:
     points = []
     for level in levels:
         result, _ = run_once(args, requests, tokenizer, slo=slo, desc=_label(by, level), **_level_args(args, by, level))
-        points.append({by: _json_level(level), **result})
+        points.append({by: level, **result})
         print(f"{_label(by, level)}: {result['output_throughput']:,.1f} output tok/s, median TTFT "
               f"{result['median_ttft_ms']:,.1f} ms, median TPOT {result['median_tpot_ms']:,.2f} ms, "
               f"{result['failed']} failed", flush=True)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = {"by": by, "workload": workload, "config": config_json(args), "points": points}
-    (out / "sweep.json").write_text(json.dumps(data, indent=2, default=str))
+    write_json(out / "sweep.json", data)
     with open(out / "sweep.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([by, *CSV_COLUMNS])
@@ -155,7 +150,7 @@ def bench_sla(args: argparse.Namespace) -> int:
             requests, _ = build_workload(argparse.Namespace(**{**vars(args), "num_prompts": num}), tokenizer)
         result, _ = run_once(args, requests, tokenizer, desc=_label(by, level), **_level_args(args, by, level))
         ok = result["failed"] == 0 and all(result[k] <= limit for k, limit in slo.items())
-        probes.append({by: _json_level(level), "meets_slo": ok, **result})
+        probes.append({by: level, "meets_slo": ok, **result})
         shown = ", ".join(f"{k} {result[k]:,.1f}" for k in slo)
         print(f"{_label(by, level)}: {result['output_throughput']:,.1f} output tok/s, {shown}, "
               f"{result['failed']} failed: {'meets' if ok else 'misses'} the SLO", flush=True)
@@ -185,7 +180,7 @@ def bench_sla(args: argparse.Namespace) -> int:
     if best is None:
         print(f"no load level meets the SLO, not even {_label(by, lower)}")
     else:
-        print_result(f"best run that meets the SLO: {describe(args, **_level_args(args, by, float(best[by])))}", best,
+        print_result(f"best run that meets the SLO: {describe(args, **_level_args(args, by, best[by]))}", best,
                      workload)
         if bad is None:
             print(f"--upper {upper:g} was reached with the SLO still met: the server may do more")
