@@ -15,30 +15,32 @@ HEADS, KV_HEADS, DIM, BS, NUM_BLOCKS = 8, 2, 32, 4, 128
 def dense_reference(q, ks, vs, query_lens, seq_lens):
     """Per request: full K/V of its context, causal mask aligned to the end."""
     outs, start = [], 0
+    group = q.shape[1] // ks[0].shape[1]
     for n, L, k, v in zip(query_lens, seq_lens, ks, vs):
         qi = q[start:start + n].transpose(0, 1).float()
-        kr = k.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1).float()
-        vr = v.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1).float()
+        kr = k.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        vr = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
         mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
         outs.append(F.scaled_dot_product_attention(qi, kr, vr, attn_mask=mask).transpose(0, 1))
         start += n
     return torch.cat(outs)
 
 
-def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0):
+def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
+                block_size=BS):
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.zeros((1, 2, NUM_BLOCKS * BS, KV_HEADS, DIM), dtype=dtype)
+    cache = torch.zeros((1, 2, NUM_BLOCKS * block_size, kv_heads, dim), dtype=dtype)
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # scattered blocks
     tables, ks, vs, new_k, new_v, slots = [], [], [], [], [], []
     for n, L in zip(query_lens, seq_lens):
-        blocks = [perm.pop() for _ in range(-(-L // BS))]
+        blocks = [perm.pop() for _ in range(-(-L // block_size))]
         tables.append(blocks)
-        k = torch.randn(L, KV_HEADS, DIM, generator=gen).to(dtype)
-        v = torch.randn(L, KV_HEADS, DIM, generator=gen).to(dtype)
+        k = torch.randn(L, kv_heads, dim, generator=gen).to(dtype)
+        v = torch.randn(L, kv_heads, dim, generator=gen).to(dtype)
         ks.append(k)
         vs.append(v)
         for pos in range(L):
-            slot = blocks[pos // BS] * BS + pos % BS
+            slot = blocks[pos // block_size] * block_size + pos % block_size
             if pos < L - n:  # already cached context
                 cache[0, 0, slot], cache[0, 1, slot] = k[pos], v[pos]
             else:
@@ -46,16 +48,20 @@ def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0):
         new_k.append(k[L - n:])
         new_v.append(v[L - n:])
     width = max(len(t) for t in tables)
-    q = torch.randn(sum(query_lens), HEADS, DIM, generator=gen).to(dtype)
+    q = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
     md = AttentionMetadata(
         query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=BS)
-    backend = TorchNativeBackend(cache, BS, decode_kernel=backend_kernel)
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size)
+    backend = TorchNativeBackend(cache, block_size, decode_kernel=backend_kernel)
     backend.begin_step(md)
-    out = backend(q, torch.cat(new_k), torch.cat(new_v), layer=0)
+    # strided views of one fused qkv row per token, as the model passes them
+    tokens = len(q)
+    qkv = torch.cat([q.view(tokens, -1), torch.cat(new_k).view(tokens, -1), torch.cat(new_v).view(tokens, -1)], dim=1)
+    qv, kv, vv = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    out = backend(qv.view(tokens, heads, dim), kv.view(tokens, kv_heads, dim), vv.view(tokens, kv_heads, dim), layer=0)
     return out.float(), dense_reference(q, ks, vs, query_lens, seq_lens)
 
 
@@ -82,3 +88,18 @@ def test_cpu_kernel_matches_dense(dtype, tol, query_lens, seq_lens):
         pytest.skip("CPU kernels could not be built here")
     out, ref = run_backend(kernels, dtype, query_lens, seq_lens)
     assert torch.allclose(out, ref, atol=tol, rtol=tol)
+
+
+# bfloat16 with head_dim 64 or 128 takes the kernel's AVX512-BF16 path where the CPU has it:
+# GQA groups of 1, 2 and 3, block sizes 16 and 5, contexts of 1 to 300 tokens (odd, even,
+# multiples of 16 and not)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 8, 128)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_cpu_kernel_bf16_head_dims(heads, kv_heads, dim, block_size):
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("CPU kernels could not be built here")
+    seq_lens = [1, 2, 15, 16, 17, 32, 33, 100, 300]
+    out, ref = run_backend(kernels, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
+                           kv_heads=kv_heads, dim=dim, block_size=block_size)
+    assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)

@@ -60,3 +60,19 @@ def test_silu_and_mul(kernels, dtype, tol):
     gate_up = (torch.randn(13, 2 * 80, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
     assert torch.allclose(kernels.silu_and_mul(gate_up).float(), F.silu(gate) * up, atol=tol * 4, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_first_index_on_ties(kernels, dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(37, 1000 + 7, generator=g).to(dtype)  # a vocabulary that is not a multiple of 16
+    logits[0, 5] = logits[0, 900] = 50.0  # a tie: the first wins
+    logits[1, -1] = 50.0  # the maximum in the scalar tail
+    logits[2, :] = float("-inf")
+    logits[2, 3] = -1e4  # banned tokens everywhere else
+    logits[3] = 1.0  # all equal: index 0
+    ids = kernels.argmax_rows(logits)
+    assert ids.dtype == torch.int64
+    assert torch.equal(ids, logits.float().argmax(dim=-1))
+    assert ids[:4].tolist() == [5, 1006, 3, 0]
+    assert torch.equal(kernels.argmax_rows(logits[:, :500]), logits[:, :500].float().argmax(dim=-1))  # strided rows

@@ -38,7 +38,7 @@ class TorchNativeBackend:
         self.kv_heads, self.head_dim = kv_cache.shape[-2:]
         self.block_numel = block_size * self.kv_heads * self.head_dim
         self._workspace = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
-        self.decode_kernel = decode_kernel  # paged_decode_attention(out, q, k, v, block_table, seq_lens, bs, scale)
+        self.decode_kernel = decode_kernel  # the native CPU kernels: write_kv, paged_decode_attention
         self.md: AttentionMetadata | None = None
 
     def begin_step(self, md: AttentionMetadata) -> None:
@@ -84,14 +84,17 @@ class TorchNativeBackend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         md = self.md
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        k_cache.index_copy_(0, md.slot_mapping, k)
-        v_cache.index_copy_(0, md.slot_mapping, v)
+        if self.decode_kernel is not None:  # one call for both, on k and v as they are (views of qkv)
+            self.decode_kernel.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        else:
+            k_cache.index_copy_(0, md.slot_mapping, k)
+            v_cache.index_copy_(0, md.slot_mapping, v)
         num_heads = q.shape[1]
         out = torch.empty_like(q)
         if self.kernel_decodes is not None:
             tokens, block_table, seq_lens = self.kernel_decodes
             only_decodes = len(tokens) == len(q)  # most steps: write straight into out
-            qd = q.contiguous() if only_decodes else q.index_select(0, tokens)
+            qd = q if only_decodes else q.index_select(0, tokens)  # the kernel takes strided rows
             od = out if only_decodes else torch.empty_like(qd)
             self.decode_kernel.paged_decode_attention(od, qd, k_cache, v_cache, block_table, seq_lens,
                                                       self.block_size, self.head_dim ** -0.5)
@@ -104,15 +107,17 @@ class TorchNativeBackend:
             od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask)
             out.index_copy_(0, tokens, od.view(b, num_heads, self.head_dim))
         for start, end, blocks, mask in self.prefills:
-            qp = q[start:end].transpose(0, 1)
+            # [1, heads, tokens, d]: with a batch dimension SDPA takes its flash kernel on the
+            # CPU (GQA included), 2x faster than its math path at 200 tokens, 4x at 1024
+            qp = q[start:end].transpose(0, 1)[None]
             if blocks is None:
-                kp, vp = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                kp, vp = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
             else:
                 kp, vp = self._gather(k_cache, v_cache, blocks, len(blocks) * self.block_size)
-                kp, vp = kp[0].transpose(0, 1), vp[0].transpose(0, 1)
+                kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                                 enable_gqa=num_heads != self.kv_heads)
-            out[start:end] = op.transpose(0, 1)
+            out[start:end] = op[0].transpose(0, 1)
         return out
 
     def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, length: int

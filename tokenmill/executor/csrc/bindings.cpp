@@ -2,13 +2,18 @@
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, one query token per request");
+  m.def("write_kv", &write_kv, "k and v of each new token into its cache slot");
   m.def("rms_norm", &rms_norm, "residual += x (in place, optional); rmsnorm(...) * weight");
   m.def("rotary", &rotary, "rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "index of the largest value of each row (first on ties)");
 }

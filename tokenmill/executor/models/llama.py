@@ -106,7 +106,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[N, vocab] in the model's dtype; the sampler widens them when it needs to."""
+        return self.lm_head(hidden)
 
     def pack_weights(self) -> None:
         """After loading: every linear layer in the fastest CPU layout. A tied head packs
