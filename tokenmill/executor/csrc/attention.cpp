@@ -140,8 +140,9 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
       const int64_t padded = (len + 16) / 16 * 16;
       const int32_t* blocks = block_table + r * max_blocks;
       rows.resize(padded + 1);
-      for (int64_t t = 0; t < len; ++t) {
-        rows[t] = (static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size) * slot_stride;
+      for (int64_t j = 0, t = 0; t < len; ++j) {  // block by block: no division per token
+        const int64_t base = static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
+        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) rows[t] = base + i * slot_stride;
       }
       for (int64_t t = len; t <= padded; ++t) rows[t] = rows[len - 1];  // odd tails read a real row
       scores.resize(num_heads * padded);
