@@ -15,7 +15,7 @@ model.safetensors in bfloat16, tokenizer files) under ``--output-root``:
 
 Usage::
 
-    python scripts/train_demo_model.py                        # both models (under an hour on 2 cores)
+    python scripts/train_demo_model.py                        # both models (about an hour on 2 cores)
     python scripts/train_demo_model.py --eval tokenmill/data/default_model
 
 ``--eval DIR`` reports the validation loss of a saved model, the fraction of
@@ -55,7 +55,7 @@ MODELS = {
     "draft": ("default_draft_model", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=352), 1200, 3e-3),
     "target": ("default_model", dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
-                                     num_key_value_heads=2, intermediate_size=704), 2800, 2e-3),
+                                     num_key_value_heads=2, intermediate_size=704), 3200, 2e-3),
 }
 
 
