@@ -133,5 +133,5 @@ def test_torch_fallback_path_matches_transformers(checkpoints, hf_reference, mon
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
     monkeypatch.setattr(model_runner, "load_cpu_kernels", lambda: None)
     llm, ours = generate(checkpoints("qwen3"))
-    assert llm.engine.runner.attn.decode_kernel is None
+    assert llm.engine.runner.attn.kernels is None
     assert [o.outputs[0].token_ids for o in ours] == [t for t, _ in hf_reference("qwen3")]

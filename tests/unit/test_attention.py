@@ -55,7 +55,7 @@ def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0, heads=HEADS
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size)
-    backend = TorchNativeBackend(cache, block_size, decode_kernel=backend_kernel)
+    backend = TorchNativeBackend(cache, block_size, kernels=backend_kernel)
     backend.begin_step(md)
     # strided views of one fused qkv row per token, as the model passes them
     tokens = len(q)

@@ -48,7 +48,7 @@ class ModelRunner:
             (model_config.num_layers, 2, self.num_blocks * self.block_size, model_config.num_kv_heads,
              model_config.head_dim), dtype=dtype, device=device)
         kernels = load_cpu_kernels() if device.type == "cpu" else None
-        self.attn = TorchNativeBackend(self.kv_cache, self.block_size, decode_kernel=kernels)
+        self.attn = TorchNativeBackend(self.kv_cache, self.block_size, kernels=kernels)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
         self.pin = device.type == "cuda"
 

@@ -31,14 +31,14 @@ _MIN_GROUP = 8
 
 
 class TorchNativeBackend:
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, decode_kernel: Any = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, block_size: int, kernels: Any = None) -> None:
         # kv_cache: [num_layers, 2, num_blocks * block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.kv_heads, self.head_dim = kv_cache.shape[-2:]
         self.block_numel = block_size * self.kv_heads * self.head_dim
         self._workspace = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
-        self.decode_kernel = decode_kernel  # the native CPU kernels: write_kv, paged_decode_attention
+        self.kernels = kernels  # the native CPU kernels (write_kv, paged_decode_attention) or None
         self.md: AttentionMetadata | None = None
 
     def begin_step(self, md: AttentionMetadata) -> None:
@@ -49,7 +49,7 @@ class TorchNativeBackend:
         decode = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
         self.decode_groups = []
         self.kernel_decodes = None
-        if decode and self.decode_kernel is not None:
+        if decode and self.kernels is not None:
             rows = torch.tensor(decode, dtype=torch.long, device=device)
             max_blocks = -(-max(md.seq_lens_cpu[i] for i in decode) // bs)
             self.kernel_decodes = (torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
@@ -84,8 +84,8 @@ class TorchNativeBackend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         md = self.md
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        if self.decode_kernel is not None:  # one call for both, on k and v as they are (views of qkv)
-            self.decode_kernel.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        if self.kernels is not None:  # one call for both, on k and v as they are (views of qkv)
+            self.kernels.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
         else:
             k_cache.index_copy_(0, md.slot_mapping, k)
             v_cache.index_copy_(0, md.slot_mapping, v)
@@ -96,7 +96,7 @@ class TorchNativeBackend:
             only_decodes = len(tokens) == len(q)  # most steps: write straight into out
             qd = q if only_decodes else q.index_select(0, tokens)  # the kernel takes strided rows
             od = out if only_decodes else torch.empty_like(qd)
-            self.decode_kernel.paged_decode_attention(od, qd, k_cache, v_cache, block_table, seq_lens,
+            self.kernels.paged_decode_attention(od, qd, k_cache, v_cache, block_table, seq_lens,
                                                       self.block_size, self.head_dim ** -0.5)
             if not only_decodes:
                 out.index_copy_(0, tokens, od)

@@ -23,6 +23,22 @@
 namespace {
 using namespace tokenmill;
 
+// s[0:len] = softmax(s[0:len]), in place (exp vectorizes: the build uses -ffast-math,
+// so nothing here may be inf)
+inline void softmax_inplace(float* s, int64_t len) {
+  float mx = -std::numeric_limits<float>::max();
+  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
 template <typename T>
 void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
                       const int32_t* seq_lens, T* out, int64_t num_reqs, int64_t num_heads,
@@ -68,20 +84,7 @@ void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v
       for_each_row(k_cache, [&](int64_t t, int64_t head, const T* k) {
         scores[head * len + t] = dot(qf.data() + head * head_dim, k, head_dim);
       });
-      // softmax per query head (exp vectorizes: the build uses -ffast-math, so nothing here may be inf)
-      for (int64_t head = 0; head < num_heads; ++head) {
-        float* s = scores.data() + head * len;
-        float mx = -std::numeric_limits<float>::max();
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      for (int64_t head = 0; head < num_heads; ++head) softmax_inplace(scores.data() + head * len, len);
       // out = p . v
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row(v_cache, [&](int64_t t, int64_t head, const T* v) {
@@ -166,18 +169,7 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
             }
             _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
           }
-          // softmax over the context (exp vectorizes: -ffast-math, so nothing here may be inf)
-          float mx = -std::numeric_limits<float>::max();
-          for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - mx);
-            sum += s[t];
-          }
-          const float inv = 1.f / sum;
-#pragma omp simd
-          for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+          softmax_inplace(s, len);
           for (int64_t t = len; t < padded; ++t) s[t] = 0.f;
           // out = p . v over pairs of tokens: the two V rows interleaved, so each 32-bit
           // lane of vdpbf16ps is p[t] v[t][d] + p[t+1] v[t+1][d]
