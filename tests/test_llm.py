@@ -217,3 +217,25 @@ def test_streamed_deltas_add_up_to_the_final_output(llm):
             final = out
     c = final.outputs[0]
     assert final.finished and ids == c.token_ids and "".join(texts) == c.text and logprobs == c.logprobs
+
+
+@pytest.mark.parametrize("stop", [[], ["("]])
+def test_final_only_requests_report_once_with_the_streamed_result(llm, stop):
+    """final_only (what LLM.generate uses) gives one output per request, at the end, equal to
+    what the same request streams; stop strings are still checked on every step."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, logprobs=1, ignore_eos=True, stop=stop)
+    results = {}
+    for final_only in (False, True):
+        request, text = engine.make_request("def foo(x):", params)
+        engine.add_request(request, text, final_only=final_only)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+        results[final_only] = outs
+    assert len(results[True]) == 1 and len(results[False]) > 1
+    streamed, final = results[False][-1].outputs[0], results[True][0].outputs[0]
+    assert (final.token_ids, final.text, final.logprobs, final.finish_reason) == \
+        (streamed.token_ids, streamed.text, streamed.logprobs, streamed.finish_reason)
+    assert results[True][0].new_token_ids == final.token_ids and results[True][0].new_text == final.text

@@ -69,7 +69,7 @@ class LLM:
                     raise ValueError(f"prompts[{i}]: {e}" if not str(e).startswith("prompts[") else str(e)) from e
                 batch.append((i, request, text))
         for _, request, text in batch:
-            self.engine.add_request(request, text)
+            self.engine.add_request(request, text, final_only=True)
         return self._run(batch, len(prompts), use_tqdm)
 
     def _run(self, batch: list[tuple[int, Request, str | None]], num_prompts: int,

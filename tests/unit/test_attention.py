@@ -29,8 +29,9 @@ def dense_reference(q, ks, vs, query_lens, seq_lens):
 def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
                 block_size=BS):
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.zeros((1, 2, NUM_BLOCKS * block_size, kv_heads, dim), dtype=dtype)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # scattered blocks
+    num_blocks = max(NUM_BLOCKS, 2 * sum(-(-L // block_size) for L in seq_lens))
+    cache = torch.zeros((1, 2, num_blocks * block_size, kv_heads, dim), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
     tables, ks, vs, new_k, new_v, slots = [], [], [], [], [], []
     for n, L in zip(query_lens, seq_lens):
         blocks = [perm.pop() for _ in range(-(-L // block_size))]
@@ -62,7 +63,7 @@ def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0, heads=HEADS
     qkv = torch.cat([q.view(tokens, -1), torch.cat(new_k).view(tokens, -1), torch.cat(new_v).view(tokens, -1)], dim=1)
     qv, kv, vv = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     out = backend(qv.view(tokens, heads, dim), kv.view(tokens, kv_heads, dim), vv.view(tokens, kv_heads, dim), layer=0)
-    return out.float(), dense_reference(q, ks, vs, query_lens, seq_lens)
+    return out.float(), dense_reference(q, ks, vs, query_lens, seq_lens), backend
 
 
 # decodes of varied lengths (some far shorter than the longest), a fresh prompt, a chunk after a prefix hit
@@ -76,7 +77,7 @@ CASES = [
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("query_lens, seq_lens", CASES)
 def test_torch_path_matches_dense(dtype, tol, query_lens, seq_lens):
-    out, ref = run_backend(None, dtype, query_lens, seq_lens)
+    out, ref, _ = run_backend(None, dtype, query_lens, seq_lens)
     assert torch.allclose(out, ref, atol=tol, rtol=tol)
 
 
@@ -86,20 +87,45 @@ def test_cpu_kernel_matches_dense(dtype, tol, query_lens, seq_lens):
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("CPU kernels could not be built here")
-    out, ref = run_backend(kernels, dtype, query_lens, seq_lens)
+    out, ref, _ = run_backend(kernels, dtype, query_lens, seq_lens)
     assert torch.allclose(out, ref, atol=tol, rtol=tol)
 
 
 # bfloat16 with head_dim 64 or 128 takes the kernel's AVX512-BF16 path where the CPU has it:
-# GQA groups of 1, 2 and 3, block sizes 16 and 5, contexts of 1 to 300 tokens (odd, even,
-# multiples of 16 and not)
-@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 8, 128)])
+# GQA groups of 1, 2, 3 and 4 (a group's heads go through V together, up to 4 at d 64 and 2
+# at d 128), block sizes 16 and 5, contexts of 1 to 300 tokens (odd, even, multiples of 16 and not)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 8, 128),
+                                                  (8, 2, 64), (8, 2, 128)])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_cpu_kernel_bf16_head_dims(heads, kv_heads, dim, block_size):
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("CPU kernels could not be built here")
     seq_lens = [1, 2, 15, 16, 17, 32, 33, 100, 300]
-    out, ref = run_backend(kernels, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
+    out, ref, _ = run_backend(kernels, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
                            kv_heads=kv_heads, dim=dim, block_size=block_size)
+    assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
+
+
+# chunks of several tokens in bfloat16 go to the prefill kernel: fresh prompts, chunks after
+# a prefix hit or an earlier chunk (context longer than the chunk), mixed with decodes;
+# chunk and context lengths around the kernel's 16-row and 16-token tiles
+PREFILL_CASES = [
+    ([2, 5, 16, 17, 33], [2, 5, 16, 17, 33]),
+    ([1, 7, 1, 64, 3, 1], [50, 40, 9, 200, 131, 301]),
+    ([100, 1, 31], [100, 64, 31]),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 2, 64),
+                                                  (8, 2, 128), (32, 1, 64)])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("query_lens, seq_lens", PREFILL_CASES)
+def test_cpu_prefill_kernel_bf16(heads, kv_heads, dim, block_size, query_lens, seq_lens):
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.has_bf16_prefill_attention:
+        pytest.skip("the bf16 prefill kernel needs the CPU kernels built on a CPU with AVX512-BF16")
+    out, ref, backend = run_backend(kernels, torch.bfloat16, query_lens, seq_lens, seed=5, heads=heads,
+                                    kv_heads=kv_heads, dim=dim, block_size=block_size)
+    assert backend.kernel_prefills is not None and not backend.prefills  # no chunk went to SDPA
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)

@@ -37,7 +37,9 @@ class _Tracked:
     request: Request
     prompt: str | None
     detokenizer: IncrementalDetokenizer | None
-    num_sent_tokens: int = 0
+    final_only: bool = False
+    num_sent_tokens: int = 0  # output tokens handed out in RequestOutputs
+    num_decoded_tokens: int = 0  # output tokens fed to the detokenizer
 
 
 class Engine:
@@ -116,14 +118,16 @@ class Engine:
         rid = request_id if request_id is not None else str(next(self._ids))
         return Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time), text
 
-    def add_request(self, request: Request, prompt: str | None = None) -> None:
+    def add_request(self, request: Request, prompt: str | None = None, final_only: bool = False) -> None:
+        """Queues a request. With final_only, step() returns its output once, when it
+        finishes (as vLLM's FINAL_ONLY): no per-step output objects for offline batches."""
         sp = request.sampling_params
         detok = None
         if sp.detokenize:
             detok = IncrementalDetokenizer(self._decoder(sp.skip_special_tokens), request.prompt_token_ids,
                                            sp.stop_strings, sp.include_stop_str_in_output)
         self.scheduler.add_request(request)
-        self._tracked[request.request_id] = _Tracked(request, prompt, detok)
+        self._tracked[request.request_id] = _Tracked(request, prompt, detok, final_only)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request and frees its blocks; returns its final output (None if it was not
@@ -152,7 +156,7 @@ class Engine:
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns an output for each request that got new
-        tokens or finished."""
+        tokens or finished (for a final_only request: only when it finished)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -165,6 +169,12 @@ class Engine:
             if tracked is None:
                 continue
             try:
+                if tracked.final_only and not request.is_finished:
+                    if tracked.detokenizer is None or not tracked.detokenizer.stop:
+                        continue  # nothing to check before the end: the text is decoded then
+                    self._detokenize(tracked)  # stop strings are checked as tokens come
+                    if not request.is_finished:
+                        continue
                 outputs.append(self._output(tracked))
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
                 logger.exception("request %s failed in post-processing", request.request_id)
@@ -176,19 +186,26 @@ class Engine:
                 self._tracked.pop(request.request_id, None)
         return outputs
 
+    def _detokenize(self, tracked: _Tracked) -> None:
+        """Feeds the new output tokens to the detokenizer; a stop string ends the request."""
+        request = tracked.request
+        new_ids = request.all_token_ids[request.num_prompt_tokens + tracked.num_decoded_tokens:]
+        tracked.num_decoded_tokens += len(new_ids)
+        hit = tracked.detokenizer.add(new_ids)
+        if hit is not None:
+            request.stop_reason = hit
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            request.status = RequestStatus.FINISHED_STOPPED
+
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
-        new_ids = request.all_token_ids[request.num_prompt_tokens + tracked.num_sent_tokens:]
-        tracked.num_sent_tokens += len(new_ids)
         new_text = ""
         if tracked.detokenizer is not None:
-            hit = tracked.detokenizer.add(new_ids)
-            if hit is not None:
-                request.stop_reason = hit
-                if not request.is_finished:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                request.status = RequestStatus.FINISHED_STOPPED
+            self._detokenize(tracked)
             new_text = tracked.detokenizer.delta(request.is_finished)
+        new_ids = request.all_token_ids[request.num_prompt_tokens + tracked.num_sent_tokens:]
+        tracked.num_sent_tokens += len(new_ids)
         return self._snapshot(tracked, new_text, new_ids)
 
     def _snapshot(self, tracked: _Tracked, new_text: str, new_ids: list[int]) -> RequestOutput:

@@ -1,5 +1,5 @@
-"""Native CPU kernels (paged decode attention, RMSNorm, rotary, SiLU-and-mul, greedy argmax), compiled on
-first use with torch's C++ extension builder.
+"""Native CPU kernels (paged decode and prefill attention, RMSNorm, rotary, SiLU-and-mul,
+greedy argmax), compiled on first use with torch's C++ extension builder.
 
 Building needs a C++ compiler and ninja; it takes about a minute once per machine
 (the result is cached under ~/.cache/tokenmill). Without them the torch-native
@@ -44,7 +44,8 @@ def load_cpu_kernels() -> ModuleType | None:
             f"cpu_kernels-{platform.machine()}-{_cpu_flags_digest()}")
         build_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        sources = [str(_SRC / f) for f in ("bindings.cpp", "attention.cpp", "elementwise.cpp", "sampling.cpp")]
+        sources = [str(_SRC / f) for f in ("bindings.cpp", "attention.cpp", "prefill_attention.cpp", "elementwise.cpp",
+                                           "sampling.cpp")]
         module = load(name="tokenmill_cpu_kernels", sources=sources, build_directory=str(build_dir),
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=ldflags,
                       verbose=False)

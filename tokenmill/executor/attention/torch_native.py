@@ -4,10 +4,13 @@ The reference backend, and the CPU one. The cache of a layer is
 [num_blocks * block_size, kv_heads, head_dim], so one block is one contiguous
 row of block_size * kv_heads * head_dim values and gathers move whole blocks.
 
-- Prompt chunks with nothing cached before them attend over their own new K/V:
-  no gather, plain causal SDPA.
-- Other multi-token chunks (after a prefix hit, or later chunks of a long
-  prompt) gather their context and use a causal mask aligned to its end.
+- Multi-token chunks (prompts, later chunks of a long prompt, the rest of a
+  prompt after a prefix hit) in bfloat16 on a CPU with AVX512-BF16 go to a native
+  kernel that reads their whole context in place, one call per layer for all of
+  them (executor/csrc/prefill_attention.cpp).
+- Otherwise a chunk with nothing cached before it attends over its own new K/V
+  (no gather, plain causal SDPA), and other chunks gather their context and use
+  a causal mask aligned to its end.
 - Decodes (one query token) on the CPU go to a native kernel that reads K/V
   in place through the block table (executor/cpu_kernels.py) when it could be built.
   Otherwise they run batched in torch: sorted by context length and split into
@@ -38,7 +41,9 @@ class TorchNativeBackend:
         self.kv_heads, self.head_dim = kv_cache.shape[-2:]
         self.block_numel = block_size * self.kv_heads * self.head_dim
         self._workspace = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
-        self.kernels = kernels  # the native CPU kernels (write_kv, paged_decode_attention) or None
+        self.kernels = kernels  # the native CPU kernels (write_kv, paged_*_attention) or None
+        self.prefill_kernel = (kernels is not None and kernels.has_bf16_prefill_attention
+                               and kv_cache.dtype == torch.bfloat16 and self.head_dim in (64, 128))
         self.md: AttentionMetadata | None = None
 
     def begin_step(self, md: AttentionMetadata) -> None:
@@ -65,9 +70,17 @@ class TorchNativeBackend:
             tokens = torch.tensor([starts[i] for i in group], dtype=torch.long, device=device)
             self.decode_groups.append((tokens, blocks, valid[:, None, None, :], num_blocks * bs))
         self.prefills = []
-        for i, (n, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-            if n == 1:
-                continue
+        self.kernel_prefills = None
+        chunks = [i for i, n in enumerate(md.query_lens_cpu) if n > 1]
+        if chunks and self.prefill_kernel:
+            rows = torch.tensor(chunks, dtype=torch.long, device=device)
+            max_blocks = -(-max(md.seq_lens_cpu[i] for i in chunks) // bs)
+            self.kernel_prefills = (md.block_table[rows, :max_blocks].contiguous(), md.seq_lens[rows].contiguous(),
+                                    torch.tensor([starts[i] for i in chunks], dtype=torch.int32),
+                                    torch.tensor([md.query_lens_cpu[i] for i in chunks], dtype=torch.int32))
+            chunks = []
+        for i in chunks:
+            n, seq_len = md.query_lens_cpu[i], md.seq_lens_cpu[i]
             blocks = mask = None
             if seq_len > n:  # queries sit at the end of the context: bottom-right causal mask
                 num_blocks = -(-seq_len // bs)
@@ -100,6 +113,9 @@ class TorchNativeBackend:
                                                       self.block_size, self.head_dim ** -0.5)
             if not only_decodes:
                 out.index_copy_(0, tokens, od)
+        if self.kernel_prefills is not None:  # writes the chunks' rows of out
+            self.kernels.paged_prefill_attention(out, q, k_cache, v_cache, *self.kernel_prefills, self.block_size,
+                                                 self.head_dim ** -0.5)
         for tokens, blocks, mask, length in self.decode_groups:
             kd, vd = self._gather(k_cache, v_cache, blocks, length)
             b = len(tokens)

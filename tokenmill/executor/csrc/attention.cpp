@@ -117,15 +117,7 @@ inline __m512 hsum16(const __m512* a) {
                        _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-
-inline uint32_t bf16_bits(float x) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-}
-
-template <int D>
+template <int D, int G>
 void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
                            const c10::BFloat16* v_cache,
                            const int32_t* block_table, const int32_t* seq_lens, c10::BFloat16* out,
@@ -137,62 +129,70 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
   std::atomic<int64_t> next_job{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<int64_t> rows;  // element offset of each context token's slot
-    std::vector<float> scores;  // [head][token], rows padded to a multiple of 16
+    std::vector<float> scores;  // [G][token], rows padded to a multiple of 32
+    std::vector<uint32_t> probs;  // [G][token pair]: two bf16 probabilities per 32 bits
     for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
       const int64_t len = seq_lens[r];
-      const int64_t padded = (len + 16) / 16 * 16;
+      const int64_t padded = (len + 32) / 32 * 32;
       const int32_t* blocks = block_table + r * max_blocks;
       rows.resize(padded + 1);
       for (int64_t j = 0, t = 0; t < len; ++j) {  // block by block: no division per token
         const int64_t base = static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
         for (int64_t i = 0; i < block_size && t < len; ++i, ++t) rows[t] = base + i * slot_stride;
       }
-      for (int64_t t = len; t <= padded; ++t) rows[t] = rows[len - 1];  // odd tails read a real row
-      scores.resize(num_heads * padded);
+      for (int64_t t = len; t <= padded; ++t) rows[t] = rows[len - 1];  // tails read a real row
+      scores.resize(G * padded);
+      probs.resize(G * padded / 2);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const c10::BFloat16* kh = k_cache + h * D;
         const c10::BFloat16* vh = v_cache + h * D;
-        for (int64_t head = h * group; head < (h + 1) * group; ++head) {
-          // scores = (q . k) * scale, 16 tokens at a time
-          __m512bh qv[C];
-          for (int c = 0; c < C; ++c) qv[c] = load_bh(q + r * q_stride + head * D + 32 * c);
-          float* s = scores.data() + head * padded;
-          for (int64_t t0 = 0; t0 < len; t0 += 16) {
-            const int64_t m = std::min<int64_t>(16, len - t0);
-            __m512 dots[16];
-            for (int64_t i = 0; i < 16; ++i) {
-              dots[i] = _mm512_setzero_ps();
-              if (i < m) {
+        for (int64_t head0 = h * group; head0 < (h + 1) * group; head0 += G) {
+          for (int g = 0; g < G; ++g) {
+            // scores = (q . k) * scale, 16 tokens at a time
+            __m512bh qv[C];
+            for (int c = 0; c < C; ++c) qv[c] = load_bh(q + r * q_stride + (head0 + g) * D + 32 * c);
+            float* s = scores.data() + g * padded;
+            for (int64_t t0 = 0; t0 < len; t0 += 16) {
+              __m512 dots[16];  // past len: rows repeats the last token, its scores are dropped
+              for (int i = 0; i < 16; ++i) {
                 const c10::BFloat16* k = kh + rows[t0 + i];
-                for (int c = 0; c < C; ++c) dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], load_bh(k + 32 * c));
+                dots[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bh(k));
+                for (int c = 1; c < C; ++c) dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], load_bh(k + 32 * c));
               }
+              _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
             }
-            _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
+            softmax_inplace(s, len);
+            for (int64_t t = len; t < padded; ++t) s[t] = 0.f;
+            // to bf16, two per 32 bits: pair j holds tokens 2j (low half) and 2j + 1
+            uint32_t* pg = probs.data() + g * padded / 2;
+            for (int64_t t = 0; t < padded; t += 32) {
+              const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
+              _mm512_storeu_si512(pg + t / 2, (__m512i)b);
+            }
           }
-          softmax_inplace(s, len);
-          for (int64_t t = len; t < padded; ++t) s[t] = 0.f;
           // out = p . v over pairs of tokens: the two V rows interleaved, so each 32-bit
-          // lane of vdpbf16ps is p[t] v[t][d] + p[t+1] v[t+1][d]
-          __m512 lo[C], hi[C];
-          for (int c = 0; c < C; ++c) lo[c] = hi[c] = _mm512_setzero_ps();
+          // lane of vdpbf16ps is p[t] v[t][d] + p[t+1] v[t+1][d]; the G heads share the rows
+          __m512 lo[G][C], hi[G][C];
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
           for (int64_t t = 0; t < len; t += 2) {
-            const uint32_t pair = bf16_bits(s[t]) | (bf16_bits(s[t + 1]) << 16);
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
             const c10::BFloat16* v0 = vh + rows[t];
             const c10::BFloat16* v1 = vh + rows[t + 1];
+            __m512bh p[G];
+            for (int g = 0; g < G; ++g)
+              p[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs[g * padded / 2 + t / 2]));
             for (int c = 0; c < C; ++c) {
-              const __m512i x = _mm512_loadu_si512(v0 + 32 * c), y = _mm512_loadu_si512(v1 + 32 * c);
-              lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(x, y), p);
-              hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(x, y), p);
+              __m512bh xl, xh;
+              unpack_pairs(v0 + 32 * c, v1 + 32 * c, xl, xh);
+              for (int g = 0; g < G; ++g) {
+                lo[g][c] = _mm512_dpbf16_ps(lo[g][c], xl, p[g]);
+                hi[g][c] = _mm512_dpbf16_ps(hi[g][c], xh, p[g]);
+              }
             }
           }
-          // lane 4L+i of lo[c] is d = 32c + 8L + i, of hi[c] d = 32c + 8L + 4 + i: back to d order
-          c10::BFloat16* o = out + (r * num_heads + head) * D;
-          for (int c = 0; c < C; ++c) {
-            const __m512 first = _mm512_shuffle_f32x4(lo[c], hi[c], _MM_SHUFFLE(1, 0, 1, 0));
-            const __m512 second = _mm512_shuffle_f32x4(lo[c], hi[c], _MM_SHUFFLE(3, 2, 3, 2));
-            store16(o + 32 * c, _mm512_shuffle_f32x4(first, first, _MM_SHUFFLE(3, 1, 2, 0)));
-            store16(o + 32 * c + 16, _mm512_shuffle_f32x4(second, second, _MM_SHUFFLE(3, 1, 2, 0)));
+          for (int g = 0; g < G; ++g) {
+            c10::BFloat16* o = out + (r * num_heads + head0 + g) * D;
+            for (int c = 0; c < C; ++c) store_unpacked(o + 32 * c, lo[g][c], hi[g][c]);
           }
         }
       }
@@ -217,7 +217,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
-    auto run = head_dim == 64 ? decode_attention_bf16<64> : decode_attention_bf16<128>;
+    const int64_t group = num_heads / num_kv_heads;
+    // G query heads of a group share each V row: as many as fit in registers (8 accumulators per head at d 128)
+    auto run = head_dim == 64 ? (group % 4 == 0 ? decode_attention_bf16<64, 4> : group % 2 == 0 ? decode_attention_bf16<64, 2> : decode_attention_bf16<64, 1>)
+                              : (group % 2 == 0 ? decode_attention_bf16<128, 2> : decode_attention_bf16<128, 1>);
     run(q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
         block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<c10::BFloat16>(), num_reqs,
         num_heads, num_kv_heads, block_size, block_table.size(1), static_cast<float>(scale));

@@ -2,6 +2,10 @@
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale);
+bool has_bf16_prefill_attention();
+void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor query_starts,
+                             torch::Tensor query_lens, int64_t block_size, double scale);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
@@ -11,6 +15,9 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, one query token per request");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "paged causal attention for chunks of several query tokens (bfloat16, AVX512-BF16)");
+  m.attr("has_bf16_prefill_attention") = has_bf16_prefill_attention();
   m.def("write_kv", &write_kv, "k and v of each new token into its cache slot");
   m.def("rms_norm", &rms_norm, "residual += x (in place, optional); rmsnorm(...) * weight");
   m.def("rotary", &rotary, "rotate-half rotary embedding, in place");

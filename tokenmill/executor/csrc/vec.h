@@ -97,6 +97,28 @@ inline void store16(c10::Half* p, __m512 v) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// p.v over a pair of tokens in one vdpbf16ps: lane i of the result is p0 v0[i] + p1 v1[i],
+// p0 and p1 two bf16 in one 32-bit broadcast, v0 and v1 interleaved 16 bits at a time.
+// unpack_pairs interleaves two rows of 32 values: lane 4L+i of lo is value 8L+i, of hi 8L+4+i.
+inline void unpack_pairs(const c10::BFloat16* v0, const c10::BFloat16* v1, __m512bh& lo,
+                         __m512bh& hi) {
+  const __m512i x = _mm512_loadu_si512(v0), y = _mm512_loadu_si512(v1);
+  lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+  hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+}
+
+// the 32 sums accumulated against unpack_pairs' lo and hi, stored back in value order
+inline void store_unpacked(c10::BFloat16* o, __m512 lo, __m512 hi) {
+  const __m512 first = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 second = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+  store16(o, _mm512_shuffle_f32x4(first, first, _MM_SHUFFLE(3, 1, 2, 0)));
+  store16(o + 16, _mm512_shuffle_f32x4(second, second, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+#endif
+
 // dst[0:n] = src[0:n] narrowed to T (16 lanes at a time where possible)
 template <typename T>
 inline void store_row(T* dst, const float* src, int64_t n) {
