@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from tests.bench.conftest import run_bench
 from tests.server.conftest import MODEL_NAME, start_server
-from tokenmill.bench.workloads import PromptMaker, file_requests, shared_prefix_requests, text_requests
+from tokenmill.bench.workloads import (PromptMaker, file_requests, random_requests, shared_prefix_requests,
+                                       text_requests)
 from tokenmill.cli import main
 from tokenmill.config import DEFAULT_MODEL_DIR
 
@@ -164,3 +165,17 @@ def test_bad_sweep_and_sla_arguments(command, args, message, capsys):
     assert main(base + args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_random_requests_output_distributions():
+    uniform = random_requests(2000, (4, 8), (16, 512), 1000, seed=0)
+    logu = random_requests(2000, (4, 8), (16, 512), 1000, seed=0, output_dist="loguniform")
+    for reqs in (uniform, logu):
+        assert all(16 <= r.output_len <= 512 and 4 <= len(r.prompt) <= 8 for r in reqs)
+    # log-uniform: each octave about as likely (16..31 and 256..511 each ~1/5); uniform: ~3% vs ~51%
+    low = [sum(16 <= r.output_len < 32 for r in reqs) / 2000 for reqs in (uniform, logu)]
+    high = [sum(256 <= r.output_len < 512 for r in reqs) / 2000 for reqs in (uniform, logu)]
+    assert low[0] < 0.05 and 0.15 < low[1] < 0.25
+    assert 0.45 < high[0] < 0.57 and 0.15 < high[1] < 0.25
+    with pytest.raises(ValueError, match="output_dist"):
+        random_requests(1, (4, 8), (16, 512), 1000, output_dist="zipf")

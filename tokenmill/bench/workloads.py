@@ -10,6 +10,7 @@ approximate (one word per token); the server's `usage` then gives the real count
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from collections.abc import Callable
@@ -55,17 +56,27 @@ def parse_range(value: str, name: str) -> tuple[int, int]:
 
 
 def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
-                    seed: int = 0, prefix_len: int = 0, low_token: int = 16) -> list[BenchRequest]:
+                    seed: int = 0, prefix_len: int = 0, low_token: int = 16,
+                    output_dist: str = "uniform") -> list[BenchRequest]:
     """Token-id prompts of uniformly random tokens (ids below `low_token` avoided: special
     tokens live there), lengths uniform in the given ranges. With `prefix_len`, every
-    prompt starts with the same random prefix of that many tokens."""
+    prompt starts with the same random prefix of that many tokens. `output_dist`
+    "loguniform" draws output lengths uniform in log space instead (as many in 16..32 as
+    in 256..512: the long tail of chat traffic, where a few long answers hold a batch)."""
+    if output_dist not in ("uniform", "loguniform"):
+        raise ValueError(f"output_dist must be 'uniform' or 'loguniform', got {output_dist!r}")
     rng = random.Random(seed)
     prefix = [rng.randrange(low_token, vocab_size) for _ in range(prefix_len)]
+    lo, hi = output_len
     out = []
     for _ in range(num):
         n = rng.randint(*input_len)
         tokens = prefix + [rng.randrange(low_token, vocab_size) for _ in range(n)]
-        out.append(BenchRequest(tokens, rng.randint(*output_len), len(tokens)))
+        if output_dist == "uniform":
+            m = rng.randint(lo, hi)
+        else:
+            m = min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
+        out.append(BenchRequest(tokens, m, len(tokens)))
     return out
 
 
