@@ -27,10 +27,12 @@ def dense_reference(q, ks, vs, query_lens, seq_lens):
 
 
 def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                block_size=BS):
+                block_size=BS, fill=0.0):
+    """fill: what the cache holds outside the requests' contexts (NaN shows any read of it;
+    the torch path's gathers read whole blocks and mask, so it needs finite values there)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = max(NUM_BLOCKS, 2 * sum(-(-L // block_size) for L in seq_lens))
-    cache = torch.zeros((1, 2, num_blocks * block_size, kv_heads, dim), dtype=dtype)
+    cache = torch.full((1, 2, num_blocks * block_size, kv_heads, dim), fill, dtype=dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
     tables, ks, vs, new_k, new_v, slots = [], [], [], [], [], []
     for n, L in zip(query_lens, seq_lens):
@@ -103,7 +105,7 @@ def test_cpu_kernel_bf16_head_dims(heads, kv_heads, dim, block_size):
         pytest.skip("CPU kernels could not be built here")
     seq_lens = [1, 2, 15, 16, 17, 32, 33, 100, 300]
     out, ref, _ = run_backend(kernels, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
-                           kv_heads=kv_heads, dim=dim, block_size=block_size)
+                              kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"))
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
 
 
@@ -126,6 +128,26 @@ def test_cpu_prefill_kernel_bf16(heads, kv_heads, dim, block_size, query_lens, s
     if kernels is None or not kernels.has_bf16_prefill_attention:
         pytest.skip("the bf16 prefill kernel needs the CPU kernels built on a CPU with AVX512-BF16")
     out, ref, backend = run_backend(kernels, torch.bfloat16, query_lens, seq_lens, seed=5, heads=heads,
-                                    kv_heads=kv_heads, dim=dim, block_size=block_size)
+                                    kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"))
     assert backend.kernel_prefills is not None and not backend.prefills  # no chunk went to SDPA
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_prefill_kernel_rejects_inconsistent_metadata():
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.has_bf16_prefill_attention:
+        pytest.skip("the bf16 prefill kernel needs the CPU kernels built on a CPU with AVX512-BF16")
+    q = torch.zeros(5, 8, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(64, 4, 64, dtype=torch.bfloat16)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+
+    def call(seq_len, query_len, start=0):
+        kernels.paged_prefill_attention(torch.empty_like(q), q, cache, cache, table,
+                                        torch.tensor([seq_len], dtype=torch.int32),
+                                        torch.tensor([start], dtype=torch.int32),
+                                        torch.tensor([query_len], dtype=torch.int32), 16, 0.125)
+
+    call(40, 5)  # consistent: runs
+    for seq_len, query_len, start in [(2, 5, 0), (40, 5, 1), (65, 5, 0), (40, 0, 0)]:
+        with pytest.raises(RuntimeError, match="has query_len"):
+            call(seq_len, query_len, start)

@@ -191,11 +191,24 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(1);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "paged_prefill_attention: head_dim must be 64 or 128, got ", head_dim);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == head_dim && v_cache.sizes() == k_cache.sizes(),
+              "paged_prefill_attention: caches must be [slots, kv_heads, head_dim], the same shape");
+  const int64_t num_reqs = seq_lens.size(0), max_blocks = block_table.size(1);
+  TORCH_CHECK(block_table.size(0) == num_reqs && query_starts.size(0) == num_reqs && query_lens.size(0) == num_reqs,
+              "paged_prefill_attention: block_table, query_starts and query_lens need a row per request");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* qlens = query_lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < num_reqs; ++r) {  // what the kernel indexes by, checked once
+    TORCH_CHECK(qlens[r] >= 1 && lens[r] >= qlens[r] && (lens[r] + block_size - 1) / block_size <= max_blocks &&
+                    starts[r] >= 0 && starts[r] + qlens[r] <= q.size(0),
+                "paged_prefill_attention: request ", r, " has query_len ", qlens[r], " at row ", starts[r],
+                " with seq_len ", lens[r], " (", q.size(0), " rows, ", max_blocks, " blocks of ", block_size, ")");
+  }
 #if defined(__AVX512BF16__)
   auto run = head_dim == 64 ? prefill_attention_bf16<64> : prefill_attention_bf16<128>;
   run(q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-      block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_starts.data_ptr<int32_t>(),
-      query_lens.data_ptr<int32_t>(), out.data_ptr<c10::BFloat16>(), seq_lens.size(0), num_heads, num_kv_heads,
-      block_size, block_table.size(1), static_cast<float>(scale));
+      block_table.data_ptr<int32_t>(), lens, starts, qlens, out.data_ptr<c10::BFloat16>(), num_reqs, num_heads,
+      num_kv_heads, block_size, max_blocks, static_cast<float>(scale));
 #endif
 }
