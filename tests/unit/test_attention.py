@@ -109,6 +109,14 @@ def test_cpu_kernel_bf16_head_dims(heads, kv_heads, dim, block_size):
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.fixture
+def prefill_kernels():
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.has_bf16_prefill_attention:
+        pytest.skip("the bf16 prefill kernel needs the CPU kernels built on a CPU with AVX512-BF16")
+    return kernels
+
+
 # chunks of several tokens in bfloat16 go to the prefill kernel: fresh prompts, chunks after
 # a prefix hit or an earlier chunk (context longer than the chunk), mixed with decodes;
 # chunk and context lengths around the kernel's 16-row and 16-token tiles
@@ -123,29 +131,23 @@ PREFILL_CASES = [
                                                   (8, 2, 128), (32, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("query_lens, seq_lens", PREFILL_CASES)
-def test_cpu_prefill_kernel_bf16(heads, kv_heads, dim, block_size, query_lens, seq_lens):
-    kernels = load_cpu_kernels()
-    if kernels is None or not kernels.has_bf16_prefill_attention:
-        pytest.skip("the bf16 prefill kernel needs the CPU kernels built on a CPU with AVX512-BF16")
-    out, ref, backend = run_backend(kernels, torch.bfloat16, query_lens, seq_lens, seed=5, heads=heads,
+def test_cpu_prefill_kernel_bf16(prefill_kernels, heads, kv_heads, dim, block_size, query_lens, seq_lens):
+    out, ref, backend = run_backend(prefill_kernels, torch.bfloat16, query_lens, seq_lens, seed=5, heads=heads,
                                     kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"))
     assert backend.kernel_prefills is not None and not backend.prefills  # no chunk went to SDPA
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
 
 
-def test_cpu_prefill_kernel_rejects_inconsistent_metadata():
-    kernels = load_cpu_kernels()
-    if kernels is None or not kernels.has_bf16_prefill_attention:
-        pytest.skip("the bf16 prefill kernel needs the CPU kernels built on a CPU with AVX512-BF16")
+def test_cpu_prefill_kernel_rejects_inconsistent_metadata(prefill_kernels):
     q = torch.zeros(5, 8, 64, dtype=torch.bfloat16)
     cache = torch.zeros(64, 4, 64, dtype=torch.bfloat16)
     table = torch.zeros(1, 4, dtype=torch.int32)
 
     def call(seq_len, query_len, start=0):
-        kernels.paged_prefill_attention(torch.empty_like(q), q, cache, cache, table,
-                                        torch.tensor([seq_len], dtype=torch.int32),
-                                        torch.tensor([start], dtype=torch.int32),
-                                        torch.tensor([query_len], dtype=torch.int32), 16, 0.125)
+        prefill_kernels.paged_prefill_attention(torch.empty_like(q), q, cache, cache, table,
+                                                torch.tensor([seq_len], dtype=torch.int32),
+                                                torch.tensor([start], dtype=torch.int32),
+                                                torch.tensor([query_len], dtype=torch.int32), 16, 0.125)
 
     call(40, 5)  # consistent: runs
     for seq_len, query_len, start in [(2, 5, 0), (40, 5, 1), (65, 5, 0), (40, 0, 0)]:

@@ -134,13 +134,7 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
     for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
       const int64_t len = seq_lens[r];
       const int64_t padded = (len + 32) / 32 * 32;
-      const int32_t* blocks = block_table + r * max_blocks;
-      rows.resize(padded + 1);
-      for (int64_t j = 0, t = 0; t < len; ++j) {  // block by block: no division per token
-        const int64_t base = static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
-        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) rows[t] = base + i * slot_stride;
-      }
-      for (int64_t t = len; t <= padded; ++t) rows[t] = rows[len - 1];  // tails read a real row
+      slot_rows(rows, block_table + r * max_blocks, len, padded + 1, block_size, slot_stride);
       scores.resize(G * padded);
       probs.resize(G * padded / 2);
       for (int64_t h = 0; h < num_kv_heads; ++h) {

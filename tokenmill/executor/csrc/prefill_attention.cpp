@@ -79,13 +79,7 @@ void prefill_attention_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache
         const auto* qr = reinterpret_cast<const uint32_t*>(q + (query_starts[r] + tok[m]) * q_stride + head[m] * D);
         for (int p = 0; p < D / 2; ++p) qp[p][m] = qr[p];
       }
-      rows.resize(padded);
-      const int32_t* blocks = block_table + r * max_blocks;
-      for (int64_t j = 0, t = 0; t < context; ++j) {  // block by block: no division per token
-        const int64_t base = static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
-        for (int64_t b = 0; b < block_size && t < context; ++b, ++t) rows[t] = base + b * slot_stride;
-      }
-      for (int64_t t = context; t < padded; ++t) rows[t] = rows[context - 1];  // tails read a real row
+      slot_rows(rows, block_table + r * max_blocks, context, padded, block_size, slot_stride);
 
       // scores = (k . q) * scale, 16 tokens x 16 rows at a time; hidden tokens get kHidden
       scores.resize(padded * kRows);

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -96,6 +97,19 @@ inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 #endif
+
+// rows[t] = element offset of context token t's slot in a [slots, kv_heads, d] cache, for
+// t < len, block by block (no division per token); rows[len:end] repeat the last real row,
+// so that padded tails read real memory
+inline void slot_rows(std::vector<int64_t>& rows, const int32_t* blocks, int64_t len, int64_t end,
+                      int64_t block_size, int64_t slot_stride) {
+  rows.resize(end);
+  for (int64_t j = 0, t = 0; t < len; ++j) {
+    const int64_t base = static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
+    for (int64_t i = 0; i < block_size && t < len; ++i, ++t) rows[t] = base + i * slot_stride;
+  }
+  for (int64_t t = len; t < end; ++t) rows[t] = rows[len - 1];
+}
 
 #if defined(__AVX512BF16__)
 inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
