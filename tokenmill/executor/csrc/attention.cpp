@@ -213,7 +213,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
     const int64_t group = num_heads / num_kv_heads;
     // G query heads of a group share each V row: as many as fit in registers (8 accumulators per head at d 128)
-    auto run = head_dim == 64 ? (group % 4 == 0 ? decode_attention_bf16<64, 4> : group % 2 == 0 ? decode_attention_bf16<64, 2> : decode_attention_bf16<64, 1>)
+    auto run = head_dim == 64 ? (group % 4 == 0   ? decode_attention_bf16<64, 4>
+                                 : group % 2 == 0 ? decode_attention_bf16<64, 2>
+                                                  : decode_attention_bf16<64, 1>)
                               : (group % 2 == 0 ? decode_attention_bf16<128, 2> : decode_attention_bf16<128, 1>);
     run(q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
         block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<c10::BFloat16>(), num_reqs,
