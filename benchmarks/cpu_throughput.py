@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM
+from tokenmill.bench.hf_baseline import hf_static_throughput
 from tokenmill.bench.offline import run_throughput
 from tokenmill.bench.workloads import random_requests
 
@@ -54,29 +55,11 @@ def make_checkpoint(root: Path) -> Path:
     return path
 
 
-def hf_static_throughput(path: Path, requests, batch_size: int) -> dict:
-    """HF generate over static batches in arrival order: left-padded prompts, every batch runs
-    to its longest output; only the requested tokens count (as vLLM's HF baseline does)."""
+def hf_static(path: Path, requests, batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    start = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        width = max(len(r.prompt) for r in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(batch):
-            ids[j, width - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[j, width - len(r.prompt):] = 1
-        max_new = max(r.output_len for r in batch)
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=0)
-    elapsed = time.perf_counter() - start
-    output_tokens = sum(r.output_len for r in requests)
-    return {"batch_size": batch_size, "elapsed_s": elapsed, "output_tokens": output_tokens,
-            "output_throughput": output_tokens / elapsed}
+    return hf_static_throughput(model, requests, batch_size)
 
 
 def bench_hf(path: Path, args) -> dict:
@@ -87,12 +70,12 @@ def bench_hf(path: Path, args) -> dict:
     llm = LLM(str(path), dtype="bfloat16")
     run_throughput(llm, requests[:8], use_tqdm=False)  # warm-up
     ours = [run_throughput(llm, requests, use_tqdm=False).to_dict()]
-    hf_runs = [hf_static_throughput(path, requests, bs) for bs in args.hf_batch_sizes]
+    hf_runs = [hf_static(path, requests, bs) for bs in args.hf_batch_sizes]
     best = max(hf_runs, key=lambda r: r["output_throughput"])
     hf = [best]
     for _ in range(args.hf_rounds - 1):
         ours.append(run_throughput(llm, requests, use_tqdm=False).to_dict())
-        hf.append(hf_static_throughput(path, requests, best["batch_size"]))
+        hf.append(hf_static(path, requests, best["batch_size"]))
     del llm
     gc.collect()
     ratios = [o["output_throughput"] / h["output_throughput"] for o, h in zip(ours, hf)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,11 @@ import pytest
 import torch
 
 from tokenmill.config import DEFAULT_MODEL_DIR
+
+# Triton kernels run under the interpreter where there is no GPU; it must be set before
+# any kernel is defined, so before tokenmill's Triton module is first imported
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -28,6 +28,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--block-size": ("block_size", dict(type=int, default=16)),
     "--kv-cache-memory": ("kv_cache_memory", dict(default=None, help="KV cache size on CPU, e.g. 2GiB")),
     "--gpu-memory-utilization": ("gpu_memory_utilization", dict(type=float, default=0.9)),
+    "--num-gpu-blocks-override": ("num_gpu_blocks_override", dict(type=int, default=None,
+                                                                  help="CUDA: KV blocks, instead of profiling")),
     "--enable-prefix-caching": ("enable_prefix_caching", dict(action=argparse.BooleanOptionalAction,
                                                               default=True)),
     "--enable-chunked-prefill": ("enable_chunked_prefill", dict(action=argparse.BooleanOptionalAction,
@@ -35,6 +37,9 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--scheduler": ("scheduler", dict(default="continuous", choices=["continuous", "static"])),
     "--scheduling-policy": ("scheduling_policy", dict(default="fcfs", choices=["fcfs", "priority"])),
     "--num-threads": ("num_threads", dict(type=int, default=None, help="torch threads on CPU")),
+    "--attention-backend": ("attention_backend", dict(default="auto", choices=["auto", "cpu", "torch", "triton"],
+                                                      help="auto: triton on CUDA, the native kernels on the CPU")),
+    "--enforce-eager": ("enforce_eager", dict(action="store_true", help="CUDA: no CUDA graphs for decode steps")),
 }
 
 

@@ -53,11 +53,14 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes for the KV cache on CPU; default 2 GiB
     gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None  # CUDA: this many KV blocks instead of the profiled number
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduler: str = "continuous"  # continuous | static
     scheduling_policy: str = "fcfs"  # fcfs | priority
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | torch | triton
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -65,6 +68,7 @@ class EngineConfig:
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         _one_of("scheduler", self.scheduler, ("continuous", "static"))
         _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        _one_of("attention_backend", self.attention_backend, ("auto", "cpu", "torch", "triton"))
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("block_size", self.block_size, 1)
         if self.block_size > 256 or self.block_size & (self.block_size - 1):
@@ -78,6 +82,8 @@ class EngineConfig:
             _at_least("kv_cache_memory", self.kv_cache_memory, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None:
+            _at_least("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
         if self.num_threads is not None:
             _at_least("num_threads", self.num_threads, 1)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None \

@@ -133,5 +133,29 @@ def test_torch_fallback_path_matches_transformers(checkpoints, hf_reference, mon
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: None)
     monkeypatch.setattr(model_runner, "load_cpu_kernels", lambda: None)
     llm, ours = generate(checkpoints("qwen3"))
-    assert llm.engine.runner.attn.kernels is None
+    runner = llm.engine.runner
+    assert runner.attn.name == "torch" and runner.model.norm.kernels is None and runner.sampler.kernels is None
     assert [o.outputs[0].token_ids for o in ours] == [t for t, _ in hf_reference("qwen3")]
+
+
+@pytest.mark.parametrize("name, engine_args", [
+    ("qwen3", {}),
+    # head_dim 16 (padded to the smallest tl.dot side), MQA, prefill in chunks of 7 tokens
+    ("llama_tied_llama3rope", dict(max_num_batched_tokens=7)),
+    # 160 tokens of KV force preemption; the second pass over the prompts hits the prefix cache
+    ("llama", dict(kv_cache_memory=160 * 512)),
+], ids=["qwen3", "mqa-chunked-7", "preemption"])
+def test_triton_backend_matches_transformers(name, engine_args, checkpoints, hf_reference):
+    """The Triton kernels, under the interpreter on a machine without a GPU, in the whole engine."""
+    pytest.importorskip("tokenmill.executor.attention.triton", reason="Triton is not installed")
+    llm, ours = generate(checkpoints(name), attention_backend="triton", **engine_args)
+    assert llm.engine.runner.attn.name == "triton"
+    assert [o.outputs[0].token_ids for o in ours] == [t for t, _ in hf_reference(name)]
+    if "kv_cache_memory" not in engine_args:
+        return  # the interpreter is slow: one case goes on to preemption and prefix hits
+    assert llm.engine.scheduler.num_preemptions > 0
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [t for t, _ in hf_reference(name)]
+    assert any(o.metrics.num_cached_tokens > 0 for o in again)
+    llm.engine.kv_cache.check_integrity()

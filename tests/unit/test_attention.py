@@ -2,34 +2,38 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
 
-from tokenmill.executor.attention import AttentionMetadata, TorchNativeBackend
+from tokenmill.executor.attention.base import AttentionMetadata, default_to_device
+from tokenmill.executor.attention.cpu import CpuBackend
+from tokenmill.executor.attention.torch_ref import TorchBackend
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 
 HEADS, KV_HEADS, DIM, BS, NUM_BLOCKS = 8, 2, 32, 4, 128
 
 
 def dense_reference(q, ks, vs, query_lens, seq_lens):
-    """Per request: full K/V of its context, causal mask aligned to the end."""
+    """Per request: full K/V of its context, causal mask aligned to the end (float64)."""
     outs, start = [], 0
     group = q.shape[1] // ks[0].shape[1]
     for n, L, k, v in zip(query_lens, seq_lens, ks, vs):
-        qi = q[start:start + n].transpose(0, 1).float()
-        kr = k.repeat_interleave(group, dim=1).transpose(0, 1).float()
-        vr = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        qi = q[start:start + n].transpose(0, 1).double()
+        kr = k.repeat_interleave(group, dim=1).transpose(0, 1).double()
+        vr = v.repeat_interleave(group, dim=1).transpose(0, 1).double()
         mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
         outs.append(F.scaled_dot_product_attention(qi, kr, vr, attn_mask=mask).transpose(0, 1))
         start += n
     return torch.cat(outs)
 
 
-def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
+def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
                 block_size=BS, fill=0.0):
-    """fill: what the cache holds outside the requests' contexts (NaN shows any read of it;
-    the torch path's gathers read whole blocks and mask, so it needs finite values there)."""
+    """make_backend(cache, block_size, heads) -> backend. fill: what the cache holds outside the
+    requests' contexts (NaN shows any read of it; the torch path's gathers read whole blocks
+    and mask, so it needs finite values there)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = max(NUM_BLOCKS, 2 * sum(-(-L // block_size) for L in seq_lens))
     cache = torch.full((1, 2, num_blocks * block_size, kv_heads, dim), fill, dtype=dtype)
@@ -52,20 +56,29 @@ def run_backend(backend_kernel, dtype, query_lens, seq_lens, seed=0, heads=HEADS
         new_v.append(v[L - n:])
     width = max(len(t) for t in tables)
     q = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
-    md = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size)
-    backend = TorchNativeBackend(cache, block_size, kernels=backend_kernel)
+    md = AttentionMetadata.from_host(
+        np.array(query_lens, dtype=np.int32), np.array(seq_lens, dtype=np.int32),
+        np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32),
+        torch.tensor(slots, dtype=torch.long), block_size, default_to_device(cache.device))
+    backend = make_backend(cache, block_size, heads)
     backend.begin_step(md)
     # strided views of one fused qkv row per token, as the model passes them
     tokens = len(q)
     qkv = torch.cat([q.view(tokens, -1), torch.cat(new_k).view(tokens, -1), torch.cat(new_v).view(tokens, -1)], dim=1)
     qv, kv, vv = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     out = backend(qv.view(tokens, heads, dim), kv.view(tokens, kv_heads, dim), vv.view(tokens, kv_heads, dim), layer=0)
-    return out.float(), dense_reference(q, ks, vs, query_lens, seq_lens), backend
+    return out.double(), dense_reference(q, ks, vs, query_lens, seq_lens), backend
+
+
+def torch_backend(cache, block_size, heads):
+    return TorchBackend(cache, block_size)
+
+
+def cpu_backend(cache, block_size, heads):
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("CPU kernels could not be built here")
+    return CpuBackend(cache, block_size, kernels=kernels)
 
 
 # decodes of varied lengths (some far shorter than the longest), a fresh prompt, a chunk after a prefix hit
@@ -79,17 +92,14 @@ CASES = [
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("query_lens, seq_lens", CASES)
 def test_torch_path_matches_dense(dtype, tol, query_lens, seq_lens):
-    out, ref, _ = run_backend(None, dtype, query_lens, seq_lens)
+    out, ref, _ = run_backend(torch_backend, dtype, query_lens, seq_lens)
     assert torch.allclose(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("query_lens, seq_lens", CASES)
 def test_cpu_kernel_matches_dense(dtype, tol, query_lens, seq_lens):
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("CPU kernels could not be built here")
-    out, ref, _ = run_backend(kernels, dtype, query_lens, seq_lens)
+    out, ref, _ = run_backend(cpu_backend, dtype, query_lens, seq_lens)
     assert torch.allclose(out, ref, atol=tol, rtol=tol)
 
 
@@ -100,11 +110,8 @@ def test_cpu_kernel_matches_dense(dtype, tol, query_lens, seq_lens):
                                                   (8, 2, 64), (8, 2, 128)])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_cpu_kernel_bf16_head_dims(heads, kv_heads, dim, block_size):
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("CPU kernels could not be built here")
     seq_lens = [1, 2, 15, 16, 17, 32, 33, 100, 300]
-    out, ref, _ = run_backend(kernels, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
+    out, ref, _ = run_backend(cpu_backend, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
                               kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"))
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
 
@@ -132,9 +139,9 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("query_lens, seq_lens", PREFILL_CASES)
 def test_cpu_prefill_kernel_bf16(prefill_kernels, heads, kv_heads, dim, block_size, query_lens, seq_lens):
-    out, ref, backend = run_backend(prefill_kernels, torch.bfloat16, query_lens, seq_lens, seed=5, heads=heads,
+    out, ref, backend = run_backend(cpu_backend, torch.bfloat16, query_lens, seq_lens, seed=5, heads=heads,
                                     kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"))
-    assert backend.kernel_prefills is not None and not backend.prefills  # no chunk went to SDPA
+    assert backend.chunks is not None and not backend.plan.chunks  # no chunk went to SDPA
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
 
 

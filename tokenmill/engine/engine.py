@@ -61,7 +61,7 @@ class Engine:
         budget = config.max_num_batched_tokens or (8192 if self.device.type == "cuda" else 2048)
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
-        self.runner = ModelRunner(config, mc, self.model_path, self.device, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(config, mc, self.model_path, self.device, self.dtype, self.max_model_len, budget)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, budget, self.max_model_len,
                                    policy=config.scheduler, scheduling_policy=config.scheduling_policy,
@@ -72,9 +72,9 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.total_steps = 0
-        logger.info("model %s (%s, %s on %s) loaded in %.2fs; KV cache: %d blocks x %d = %d tokens; "
+        logger.info("model %s (%s, %s on %s, attention %s) loaded in %.2fs; KV cache: %d blocks x %d = %d tokens; "
                     "prefix caching %s; max_model_len %d", self.model_path, mc.architecture,
-                    str(self.dtype).removeprefix("torch."), self.device, self.runner.load_time,
+                    str(self.dtype).removeprefix("torch."), self.device, self.runner.attn.name, self.runner.load_time,
                     self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
                     "on" if config.enable_prefix_caching else "off", self.max_model_len)
 

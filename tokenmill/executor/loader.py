@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -93,13 +94,14 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: Path, cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device,
-               max_position: int, seed: int = 0) -> LlamaForCausalLM:
+               max_position: int, seed: int = 0, kernels: ModuleType | None = None) -> LlamaForCausalLM:
+    """kernels: the native CPU kernels the layers use (None: torch ops)."""
     model_cls = MODEL_REGISTRY[cfg.architecture]
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the target dtype: no float32 copy of the weights
     try:
         with torch.device(device):
-            model = model_cls(cfg, max_position)
+            model = model_cls(cfg, max_position, kernels)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
@@ -120,15 +122,17 @@ def load_model(path: Path, cfg: ModelConfig, load_format: str, dtype: torch.dtyp
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Deterministic random weights: the same seed gives the same model on every machine."""
+    """Deterministic random weights: the same seed gives the same model on every machine with
+    the same kind of device. They are drawn where they live (an 8B model's weights take a
+    minute to draw on one CPU core, well under a second on a GPU)."""
     for name, param in model.named_parameters():
-        gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + _stable_hash(name))
+        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + _stable_hash(name))
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith("bias"):
             param.zero_()
         else:
-            param.copy_(torch.randn(param.shape, generator=gen) * std)
+            param.normal_(0.0, std, generator=gen)
 
 
 def _stable_hash(s: str) -> int:

@@ -1,10 +1,12 @@
 """The model runner: executes one SchedulerOutput. It never decides who runs.
 
-Per step: Python lists for every input are built once, each becomes one tensor
-(pinned and copied non-blocking on CUDA), attention metadata is built once, one
-forward runs over all scheduled tokens flattened (no padding between requests),
-logits are computed only for rows that sample, and the sampled ids come back
-with the step's single device-to-host sync.
+Per step: every input is built once on the host with numpy (token ids, positions,
+the slot mapping, the block table), each becomes one device tensor through the
+staging buffer (pinned, non-blocking on CUDA), attention metadata is built once,
+one forward runs over all scheduled tokens flattened (no padding between
+requests), logits are computed only for rows that sample, and the sampled ids
+(with their logprobs) come back in the step's single device-to-host sync.
+Decode-only steps on CUDA replay a captured graph (executor/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -18,109 +20,92 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, TokenLogprobs
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.attention import AttentionMetadata, TorchNativeBackend
+from tokenmill.executor.attention import AttentionMetadata, select_attention_backend
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
+from tokenmill.executor.cuda_graphs import CudaGraphRunner
 from tokenmill.executor.loader import load_model
+from tokenmill.executor.memory import num_kv_blocks
 from tokenmill.executor.sampler import Sampler, SamplingBatch
-
-_NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+from tokenmill.executor.staging import Staging
 
 logger = logging.getLogger("tokenmill")
-
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> None:
+                 dtype: torch.dtype, max_model_len: int, max_num_batched_tokens: int) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        # device choices, made once: the attention backend and the layers' implementations
+        self.backend_cls = select_attention_backend(config.attention_backend, device, dtype, model_config.head_dim,
+                                                    config.block_size)
+        kernels = load_cpu_kernels() if device.type == "cpu" else None
         t0 = time.perf_counter()
         self.model = load_model(model_path, model_config, config.load_format, dtype, device,
                                 max_position=max(max_model_len, model_config.max_position_embeddings),
-                                seed=config.seed)
+                                seed=config.seed, kernels=kernels)
         self.load_time = time.perf_counter() - t0
-        self.num_blocks = self._num_kv_blocks(max_model_len)
-        self.kv_cache = torch.zeros(
-            (model_config.num_layers, 2, self.num_blocks * self.block_size, model_config.num_kv_heads,
-             model_config.head_dim), dtype=dtype, device=device)
-        kernels = load_cpu_kernels() if device.type == "cpu" else None
-        self.attn = TorchNativeBackend(self.kv_cache, self.block_size, kernels=kernels)
-        self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
-        self.pin = device.type == "cuda"
+        self.staging = Staging(device)
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed), device, kernels)
+        self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
+        self.kv_cache = self.allocate_kv_cache(self.num_blocks)
+        self.attn = self.make_backend(self.kv_cache)
+        self.graphs: CudaGraphRunner | None = None
+        if device.type == "cuda" and not config.enforce_eager:
+            self.graphs = CudaGraphRunner(self, max_batch_size=config.max_num_seqs)
+            self.graphs.capture()
 
-    def _num_kv_blocks(self, max_model_len: int) -> int:
-        per_block = self.model_config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # what we may still take: the utilisation share of the device minus what is in use
-            # already (weights, other processes), with headroom for activations
-            used = total - free
-            budget = int(total * self.config.gpu_memory_utilization) - used - 512 * 1024**2
-            if budget < per_block:
-                raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for "
-                                 f"the KV cache ({used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use)")
-        else:
-            # by default no more than every running sequence at full length could use
-            usable = self.config.max_num_seqs * (-(-max_model_len // self.block_size)) * per_block
-            budget = self.config.kv_cache_memory or min(DEFAULT_CPU_KV_CACHE_MEMORY, usable)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes is less than one KV block ({per_block} bytes)")
-        return int(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        mc = self.model_config
+        return torch.zeros((mc.num_layers, 2, num_blocks * self.block_size, mc.num_kv_heads, mc.head_dim),
+                           dtype=self.dtype, device=self.device)
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        # through numpy: about 3x faster than torch.tensor on Python lists
-        t = torch.from_numpy(np.array(data, dtype=_NUMPY_DTYPES[dtype]))
-        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t
+    def make_backend(self, kv_cache: torch.Tensor):
+        kwargs = {"num_heads": self.model_config.num_heads} if self.backend_cls.name == "triton" else {}
+        return self.backend_cls(kv_cache, self.block_size, to_device=self.staging.to_device, **kwargs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[tuple[int, TokenLogprobs | None]]:
         """Runs one step; returns (token id, logprobs) for each request that samples, in order."""
         bs = self.block_size
+        query_lens = np.array(out.num_scheduled_tokens, dtype=np.int32)
+        computed = np.array(out.num_computed_tokens, dtype=np.int64)
         input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, logits_indices = [], [], []
-        sampling: list[Request] = []
-        max_blocks = max(len(b) for b in out.block_tables)
-        block_table = []
-        for i, request in enumerate(out.requests):
-            start, n = out.num_computed_tokens[i], out.num_scheduled_tokens[i]
+        for request, start, n in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens):
             input_ids.extend(request.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            block_table.append(out.block_tables[i] + [0] * (max_blocks - len(out.block_tables[i])))
-            if out.samples(i):
-                logits_indices.append(len(input_ids) - 1)
-                sampling.append(request)
+        block_table = np.zeros((len(query_lens), max(len(b) for b in out.block_tables)), dtype=np.int32)
+        for i, blocks in enumerate(out.block_tables):
+            block_table[i, :len(blocks)] = blocks
+        # token t of the step belongs to request req[t] and sits at position positions[t]
+        ends = np.cumsum(query_lens)
+        req = np.repeat(np.arange(len(query_lens)), query_lens)
+        positions = computed[req] + np.arange(len(req)) - (ends - query_lens)[req]
+        slot_mapping = block_table[req, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (computed + query_lens).astype(np.int32)
+        sampling = [r for i, r in enumerate(out.requests) if out.samples(i)]
+        logits_rows = np.array([ends[i] - 1 for i in range(len(out.requests)) if out.samples(i)], dtype=np.int64)
 
-        positions_t = self._tensor(positions, torch.long)
-        block_table_t = self._tensor(block_table, torch.int32)
-        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=self.device),
-                                               self._tensor(query_lens, torch.long))
-        slot_mapping = block_table_t[req_of_token, positions_t // bs].long() * bs + positions_t % bs
-        query_start_loc = [0]
-        for n in query_lens:
-            query_start_loc.append(query_start_loc[-1] + n)
-        md = AttentionMetadata(
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_table=block_table_t,
-            slot_mapping=slot_mapping,
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
-        self.attn.begin_step(md)
-        hidden = self.model(self._tensor(input_ids, torch.long), positions_t, self.attn)
+        self.staging.begin()
+        if self.graphs is not None and self.graphs.can_run(query_lens):
+            hidden = self.graphs.run(np.array(input_ids, dtype=np.int64), positions, slot_mapping, seq_lens,
+                                     block_table)
+        else:
+            put = self.staging.to_device
+            md = AttentionMetadata.from_host(query_lens, seq_lens, block_table, put(slot_mapping), bs, put)
+            self.attn.begin_step(md)
+            hidden = self.model(put(np.array(input_ids, dtype=np.int64)), put(positions), self.attn)
         if not sampling:
+            self.staging.end()
             return []
-        logits = self.model.compute_logits(hidden[self._tensor(logits_indices, torch.long)])
-        return self.sampler(logits, self._sampling_batch(sampling))
+        if len(logits_rows) != len(hidden):
+            hidden = hidden[self.staging.to_device(logits_rows)]
+        batch = self._sampling_batch(sampling)
+        self.staging.end()
+        return self.sampler(self.model.compute_logits(hidden), batch)
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         vocab = self.model_config.vocab_size
@@ -149,15 +134,16 @@ class ModelRunner:
                 banned_ids.extend(stops)
         all_greedy = all(t == 0.0 for t in temps)
         wanted = [n for n in num_logprobs if n is not None]
+        put = self.staging.to_device
         return SamplingBatch(
-            temperature=self._tensor(temps, torch.float32),
-            top_k=self._tensor(top_k, torch.long) if use_k and not all_greedy else None,
-            top_p=self._tensor(top_p, torch.float32) if use_p and not all_greedy else None,
-            min_p=self._tensor(min_p, torch.float32) if use_min_p and not all_greedy else None,
+            temperature=put(np.array(temps, dtype=np.float32)),
+            top_k=put(np.array(top_k, dtype=np.int64)) if use_k and not all_greedy else None,
+            top_p=put(np.array(top_p, dtype=np.float32)) if use_p and not all_greedy else None,
+            min_p=put(np.array(min_p, dtype=np.float32)) if use_min_p and not all_greedy else None,
             all_greedy=all_greedy,
             seeds=seeds,
-            unseeded_rows=self._tensor(unseeded, torch.long) if unseeded and not all_greedy else None,
-            banned=(self._tensor(banned_rows, torch.long), self._tensor(banned_ids, torch.long))
+            unseeded_rows=put(np.array(unseeded, dtype=np.int64)) if unseeded and not all_greedy else None,
+            banned=(put(np.array(banned_rows, dtype=np.int64)), put(np.array(banned_ids, dtype=np.int64)))
             if banned_rows else None,
             num_logprobs=num_logprobs,
             max_logprobs=max(wanted) if wanted else -1,

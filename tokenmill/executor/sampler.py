@@ -14,11 +14,11 @@ else in the batch, and survive preemption unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from tokenmill.engine.request import TokenLogprobs
-from tokenmill.executor.cpu_kernels import kernels_for
 
 
 @dataclass(slots=True)
@@ -38,8 +38,13 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    """`kernels`: the native CPU kernels (greedy argmax) when built for the CPU, else None."""
+
+    def __init__(self, generator: torch.Generator, device: torch.device | None = None,
+                 kernels: ModuleType | None = None) -> None:
         self.generator = generator
+        self.kernels = kernels
+        self.cuda = device is not None and device.type == "cuda"
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [N, vocab] in the model's dtype. Returns (token id, logprobs or None) per row."""
@@ -48,17 +53,27 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
-        if batch.all_greedy:
-            ids = _argmax(logits)
-        else:
-            ids = self._sample(logits, batch)
-        token_ids = ids.tolist()  # the one host sync of the step
+        ids = self._argmax(logits) if batch.all_greedy else self._sample(logits, batch)
         if raw_logprobs is None:
-            return [(t, None) for t in token_ids]
-        return self._with_logprobs(token_ids, ids, raw_logprobs, batch)
+            return [(t, None) for t in self._to_host(ids)[0].tolist()]  # the one host sync of the step
+        return self._with_logprobs(ids, raw_logprobs, batch)
+
+    def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """All of them on the host after one wait: non-blocking copies, then one stream sync."""
+        if not self.cuda:
+            return list(tensors)
+        out = [t.to("cpu", non_blocking=True) for t in tensors]
+        torch.cuda.current_stream().synchronize()
+        return out
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax, first index on ties (the native CPU kernel where it is built)."""
+        if self.kernels is not None and logits.stride(-1) == 1:
+            return self.kernels.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_ids = _argmax(logits)
+        greedy_ids = self._argmax(logits)
         temp = batch.temperature
         greedy_rows = temp == 0
         logits = logits / torch.where(greedy_rows, 1.0, temp).unsqueeze(1)
@@ -84,13 +99,13 @@ class Sampler:
         sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
         return torch.where(greedy_rows, greedy_ids, sampled)
 
-    def _with_logprobs(self, token_ids: list[int], ids: torch.Tensor, logprobs: torch.Tensor,
+    def _with_logprobs(self, ids: torch.Tensor, logprobs: torch.Tensor,
                        batch: SamplingBatch) -> list[tuple[int, TokenLogprobs | None]]:
-        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
         k = batch.max_logprobs
-        if k > 0:
-            top_vals, top_ids = logprobs.topk(k, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (chosen, ids)
+        # ids, their logprobs and the top-k come back together: still one host sync
+        token_ids, chosen, top_vals, top_ids = (t.tolist() for t in self._to_host(ids, chosen, top_vals, top_ids))
         out: list[tuple[int, TokenLogprobs | None]] = []
         for row, (token, n) in enumerate(zip(token_ids, batch.num_logprobs)):
             if n is None:
@@ -99,14 +114,6 @@ class Sampler:
             top = list(zip(top_ids[row][:n], top_vals[row][:n])) if n > 0 else []
             out.append((token, (token, chosen[row], top)))
         return out
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax, first index on ties (the native CPU kernel where it is built)."""
-    kernels = kernels_for(logits)
-    if kernels is not None and logits.stride(-1) == 1:
-        return kernels.argmax_rows(logits)
-    return logits.argmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

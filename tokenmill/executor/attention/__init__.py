@@ -1,4 +1,4 @@
-from tokenmill.executor.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.executor.attention.torch_native import TorchNativeBackend
+from tokenmill.executor.attention.base import (ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata,
+                                               select_attention_backend)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchNativeBackend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "select_attention_backend"]

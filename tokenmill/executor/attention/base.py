@@ -1,17 +1,34 @@
-"""The attention interface: canonical per-step metadata and the backend protocol.
+"""The attention interface: canonical per-step metadata, the backend protocol, the registry.
 
 Tokens of all scheduled requests are flattened into one sequence of T tokens.
 Request i owns query tokens [query_start_loc[i], query_start_loc[i+1]); after
 this step its context holds seq_lens[i] tokens, the last query_len of them new.
-Token t's K/V go to cache slot slot_mapping[t] = block_id * block_size + offset.
+Token t's K/V go to cache slot slot_mapping[t] = block_id * block_size + offset
+(-1: a padding token whose K/V are not kept, as in a CUDA-graph batch).
+
+Backends (`auto | cpu | torch | triton`) are chosen once, when the engine is
+built, and checked then against the device, dtype, head dim and block size.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+
+logger = logging.getLogger("tokenmill")
+
+# host array -> the same values in a device tensor; the runner's goes through a pinned buffer
+ToDevice = Callable[[np.ndarray], torch.Tensor]
+
+
+def default_to_device(device: torch.device) -> ToDevice:
+    return lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
 @dataclass(slots=True)
@@ -20,15 +37,27 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length after this step
     block_table: torch.Tensor  # [B, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] int64
-    # the same numbers on the host, so that backends can plan without a device sync
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    # the same numbers on the host, so that backends plan without a device sync
+    query_start_loc_cpu: np.ndarray  # [B + 1] int32
+    query_lens_cpu: np.ndarray  # [B] int32
+    seq_lens_cpu: np.ndarray  # [B] int32
+    block_table_cpu: np.ndarray  # [B, max_blocks] int32
     block_size: int
+
+    @classmethod
+    def from_host(cls, query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                  slot_mapping: torch.Tensor, block_size: int, to_device: ToDevice) -> "AttentionMetadata":
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        return cls(to_device(query_start_loc), to_device(seq_lens), to_device(block_table), slot_mapping,
+                   query_start_loc, query_lens, seq_lens, block_table, block_size)
 
 
 class AttentionBackend(Protocol):
     """Owns the paged KV cache of every layer. `begin_step` is called once per step
     with that step's metadata; the model then calls the backend once per layer."""
+
+    name: str
 
     def begin_step(self, metadata: AttentionMetadata) -> None: ...
 
@@ -36,3 +65,36 @@ class AttentionBackend(Protocol):
         """q: [T, heads, d]; k, v: [T, kv_heads, d] for the new tokens. Writes k, v into the
         cache, attends each request's queries over its whole context; returns [T, heads, d]."""
         ...
+
+
+# name -> (module, class); imported on use, so that no Triton is needed to serve on the CPU
+ATTENTION_BACKENDS = {
+    "cpu": ("tokenmill.executor.attention.cpu", "CpuBackend"),
+    "torch": ("tokenmill.executor.attention.torch_ref", "TorchBackend"),
+    "triton": ("tokenmill.executor.attention.triton", "TritonBackend"),
+}
+
+
+def backend_class(name: str) -> type:
+    module, cls = ATTENTION_BACKENDS[name]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:  # triton not installed
+        raise ValueError(f"attention_backend={name!r} cannot be used: {e}") from e
+
+
+def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                             block_size: int) -> type:
+    """The backend class for `name` (auto: triton on CUDA, cpu on the CPU, torch on a CPU
+    where the native kernels could not be built), checked against what it will run."""
+    if name not in ("auto", *ATTENTION_BACKENDS):
+        raise ValueError(f"attention_backend must be one of auto, {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu"
+        if name == "cpu":
+            from tokenmill.executor.cpu_kernels import load_cpu_kernels
+            if load_cpu_kernels() is None:
+                name = "torch"
+    cls = backend_class(name)
+    cls.check(device, dtype, head_dim, block_size)
+    return cls

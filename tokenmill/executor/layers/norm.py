@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.executor.cpu_kernels import kernels_for
-
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    """`kernels`: the native CPU kernels when the model is built for the CPU; the choice
+    between them and torch ops is made here, once, not on every call."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, kernels: ModuleType | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.kernels = kernels
+        self.impl = self.forward_cpu if kernels is not None else self.forward_native
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        kernels = kernels_for(x)
-        if kernels is not None:
-            # one pass: residual += x in place, then the norm of the sum; [T, heads, d]
-            # (q/k norm) is flattened to rows, copied when the heads are a strided view
-            out = kernels.rms_norm(x.reshape(-1, x.shape[-1]), residual, self.weight, self.eps).view(x.shape)
-            return out if residual is None else (out, residual)
+        return self.impl(x, residual)
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # one pass: residual += x in place, then the norm of the sum; [T, heads, d]
+        # (q/k norm) is flattened to rows, copied when the heads are a strided view
+        out = self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), residual, self.weight, self.eps).view(x.shape)
+        return out if residual is None else (out, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             # the residual stream stays in the model dtype, as in the reference implementation
             x = x + residual

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-
-from tokenmill.executor.cpu_kernels import kernels_for
 
 
 class Rope(NamedTuple):
@@ -16,6 +15,7 @@ class Rope(NamedTuple):
     cos_sin: torch.Tensor  # float32 [max_position, head_dim]
     cos: torch.Tensor | None  # [T, 1, head_dim] in the model dtype, torch path only
     sin: torch.Tensor | None
+    kernels: ModuleType | None  # the native CPU kernels, which rotate in place
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -38,11 +38,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin are precomputed once for every position up to max_position."""
+    """cos/sin are precomputed once for every position up to max_position. With the native
+    CPU kernels (chosen when the model is built) q and k are rotated in place."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, kernels: ModuleType | None = None) -> None:
         super().__init__()
+        self.kernels = kernels
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # float32 [max_position, head_dim]: cos of the half-dim frequencies, then their sin
@@ -50,21 +52,20 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """The step's rotary inputs, looked up once and used by every layer."""
-        if kernels_for(positions) is not None:
-            return Rope(positions, self.cos_sin, None, None)
+        if self.kernels is not None:
+            return Rope(positions, self.cos_sin, None, None, self.kernels)
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
         # the reference rounds cos and sin to the model dtype before multiplying
         cos = torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(1)
         sin = torch.cat((sin, sin), dim=-1).to(dtype).unsqueeze(1)
-        return Rope(positions, self.cos_sin, cos, sin)
+        return Rope(positions, self.cos_sin, cos, sin, None)
 
     @staticmethod
     def apply(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; the CPU kernel rotates in place."""
-        if rope.cos is None:
-            kernels = kernels_for(q)
-            kernels.rotary(q, rope.positions, rope.cos_sin)
-            kernels.rotary(k, rope.positions, rope.cos_sin)
+        if rope.kernels is not None:
+            rope.kernels.rotary(q, rope.positions, rope.cos_sin)
+            rope.kernels.rotary(k, rope.positions, rope.cos_sin)
             return q, k
         return _rotate(q, rope.cos, rope.sin), _rotate(k, rope.cos, rope.sin)
 

@@ -6,6 +6,7 @@ embeddings, head_dim, rope scaling. Tokens arrive flattened: [T] ids, [T] positi
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -15,7 +16,6 @@ from tokenmill.config import ModelConfig
 from tokenmill.executor.attention.base import AttentionBackend
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.norm import RMSNorm
-from tokenmill.executor.cpu_kernels import kernels_for
 from tokenmill.executor.layers.rotary import Rope, RotaryEmbedding
 
 # checkpoint name piece -> (our module piece, shard)
@@ -26,15 +26,15 @@ _FUSED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.splits = [q_size, kv_size, kv_size]
 
     def forward(self, rope: Rope, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -50,28 +50,28 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: ModuleType | None) -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
                                    bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        kernels = kernels_for(gate_up)
-        if kernels is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer, kernels)
+        self.mlp = LlamaMLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,13 +86,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    """`kernels`: the native CPU kernels when built for the CPU (None: torch ops, as on CUDA);
+    every layer picks its implementation once, here."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int, kernels: ModuleType | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one parameter, named embed_tokens.weight

@@ -1,0 +1,357 @@
+"""Everything a device session needs, in one call: GPU tests, parity, throughput, a table last.
+
+    python benchmarks/gpu_throughput.py [--output-dir gpu_results] [--budget-s 520] [--smoke]
+
+1. tests     pytest tests/gpu tests/kernels on the device: bf16 and float32 parity with HF
+             transformers, CUDA graphs equal eager, Triton equal the torch backend on the
+             same paged cache (prefix hits, chunked prefill, preemption), the Triton kernels
+             against a float64 reference.
+2. qwen3     the shape of Qwen3-0.6B's config (hidden 1024, 28 layers, 16 heads, 8 KV heads,
+             head_dim 128, intermediate 3072, vocab 151936, tied embeddings, q/k norm),
+             load_format=dummy, bfloat16; 256 requests, prompt and output lengths uniform in
+             100..1024 random tokens, ignore_eos (nano-vllm's bench.py workload); tokenmill with
+             CUDA graphs and with enforce_eager.
+3. hf        HF transformers `generate`, static batches at its best batch size, and HF's
+             continuous batching (`generate_batch`), each against tokenmill on the same requests.
+4. steps     decode step time at batch 1, 64 and 256 (contexts of 512 tokens) against the
+             memory roofline: weights plus KV bytes read per step over the copy bandwidth
+             measured in this run; graphs vs eager at batch 1; GPU idle time between steps.
+5. llama8b   one Llama-3-8B-shaped run (dummy weights, bfloat16), the same workload.
+
+Targets (issue 14): >= 12,000 output tok/s on an H100; >= 10x HF static and >= 3x HF
+continuous batching; decode steps at batch 64 and 256 within 1.5x of the roofline; graphs
+>= 1.5x eager at batch 1. Sections that would run past --budget-s are skipped and say so.
+Details go to --output-dir (results.json, tests.log); the table is printed last.
+--smoke runs the same code on a tiny shape, on the CPU if there is no GPU, in a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.hf_baseline import hf_static_throughput  # noqa: E402
+from tokenmill.bench.offline import run_throughput  # noqa: E402
+from tokenmill.bench.workloads import random_requests  # noqa: E402
+from tokenmill.config import DEFAULT_MODEL_DIR  # noqa: E402
+
+QWEN3_06B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                 vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                 rope_theta=1000000.0, hidden_act="silu", bos_token_id=0, eos_token_id=0)
+LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
+                 bos_token_id=0, eos_token_id=0)
+TINY = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=8192,
+            tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6, hidden_act="silu",
+            bos_token_id=0, eos_token_id=0)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start = time.perf_counter()
+        self.results: dict = {"device": _device_name(), "command": " ".join(sys.argv)}
+        self.rows: list[tuple[str, str, str]] = []  # (figure, value, target)
+        self.cuda = torch.cuda.is_available()
+        self.device_args = {} if self.cuda else {"device": "cpu", "attention_backend": "torch"}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def section(self, name: str, fn, cost_s: float) -> None:
+        """Runs fn unless it would end past the budget; a failure is recorded, not raised."""
+        if self.elapsed() + cost_s > self.args.budget_s:
+            self.results[name] = {"skipped": f"would pass the {self.args.budget_s:.0f}s budget"}
+            self.rows.append((name, "skipped (time)", ""))
+            return
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the table must still come out
+            self.results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            self.rows.append((name, f"FAILED: {type(e).__name__}: {str(e)[:80]}", ""))
+        print(f"[{name}] {time.perf_counter() - t0:.1f}s", flush=True)
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        self.save()
+
+    def save(self) -> None:
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
+
+    # -- 1. tests ------------------------------------------------------------------
+    def tests(self) -> None:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", "tests/kernels"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=self.args.tests_timeout_s)
+        (self.out / "tests.log").write_text(proc.stdout + proc.stderr)
+        summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+        self.results["tests"] = {"returncode": proc.returncode, "summary": summary}
+        self.rows.append(("GPU tests (tests/gpu, tests/kernels)", summary, "all pass"))
+
+    # -- 2. throughput ------------------------------------------------------------------
+    def workload(self, n: int | None = None):
+        lo, hi = self.args.lens
+        return random_requests(n or self.args.num_requests, (lo, hi), (lo, hi), 8192, seed=0)
+
+    def engine(self, shape: dict, **kwargs) -> LLM:
+        return LLM(str(checkpoint(self.out / "ckpt", shape)), load_format="dummy", dtype=self.args.dtype,
+                   max_num_seqs=self.args.max_num_seqs, **{**self.device_args, **kwargs})
+
+    def throughput(self, name: str, shape: dict, **kwargs) -> dict:
+        llm = self.engine(shape, **kwargs)
+        runner = llm.engine.runner
+        requests = self.workload()
+        run_throughput(llm, requests[:16], use_tqdm=False)  # warm-up: Triton compiles
+        result = run_throughput(llm, requests, use_tqdm=False).to_dict()
+        result["kv_cache_tokens"] = llm.engine.kv_capacity_tokens
+        result["memory_profile"] = getattr(runner, "profile", None)
+        if runner.graphs is not None:
+            result["graph_capture_s"] = runner.graphs.capture_seconds
+            result["graph_capture_mib"] = runner.graphs.capture_bytes / 2**20
+        self.results[name] = result
+        del llm
+        return result
+
+    def qwen3(self) -> None:
+        graphs = self.throughput("tokenmill_graphs", self.shape)
+        self.rows.append(("tokenmill, CUDA graphs: output tok/s", f"{graphs['output_throughput']:,.0f}",
+                          ">= 12,000 (H100)"))
+        self.rows.append(("  KV cache tokens / graph capture",
+                          f"{graphs['kv_cache_tokens']:,} / {graphs.get('graph_capture_s', 0):.1f}s "
+                          f"{graphs.get('graph_capture_mib', 0):.0f} MiB", ""))
+        eager = self.throughput("tokenmill_eager", self.shape, enforce_eager=True)
+        self.rows.append(("tokenmill, enforce_eager: output tok/s", f"{eager['output_throughput']:,.0f}", ""))
+
+    # -- 3. HF --------------------------------------------------------------------
+    def hf(self) -> None:
+        requests = self.workload(self.args.hf_requests)
+        llm = self.engine(self.shape)
+        run_throughput(llm, requests[:16], use_tqdm=False)
+        ours = run_throughput(llm, requests, use_tqdm=False).to_dict()
+        del llm
+        gc.collect()
+        model = hf_model(self.shape, self.args.dtype)
+        hf_static_throughput(model, requests[:2], 2)  # warm-up: CUDA context, cuBLAS handles
+        runs = [hf_static_throughput(model, requests, bs) for bs in self.args.hf_batch_sizes]
+        best = max(runs, key=lambda r: r["output_throughput"])
+        ratio = ours["output_throughput"] / best["output_throughput"]
+        self.results["hf_static"] = {"tokenmill": ours, "hf_runs": runs, "ratio": ratio}
+        self.rows.append((f"vs HF static generate (best batch {best['batch_size']}, {len(requests)} requests)",
+                          f"{ratio:.1f}x ({ours['output_throughput']:,.0f} vs {best['output_throughput']:,.0f})",
+                          ">= 10x"))
+        # HF's continuous batching takes one max_new_tokens for all: both sides get the mean length
+        fixed = [dataclasses.replace(r, output_len=self.args.cb_output_len) for r in requests]
+        hf_continuous(model, fixed[:2], 8)  # warm-up
+        cb = hf_continuous(model, fixed, self.args.cb_output_len)
+        del model
+        gc.collect()
+        llm = self.engine(self.shape)
+        run_throughput(llm, fixed[:16], use_tqdm=False)
+        ours_cb = run_throughput(llm, fixed, use_tqdm=False).to_dict()
+        del llm
+        ratio = ours_cb["output_throughput"] / cb["output_throughput"]
+        self.results["hf_continuous"] = {"tokenmill": ours_cb, "hf": cb, "ratio": ratio}
+        self.rows.append((f"vs HF continuous batching ({len(fixed)} requests x {self.args.cb_output_len} tokens)",
+                          f"{ratio:.1f}x ({ours_cb['output_throughput']:,.0f} vs {cb['output_throughput']:,.0f})",
+                          ">= 3x"))
+
+    # -- 4. decode steps ------------------------------------------------------------
+    def steps(self) -> None:
+        bandwidth = copy_bandwidth() if self.cuda else float("nan")
+        self.results["copy_bandwidth_gbs"] = bandwidth / 1e9
+        steps = {}
+        for graphs in (True, False):
+            llm = self.engine(self.shape, enforce_eager=not graphs)
+            for batch in self.args.step_batches:
+                if not graphs and batch != 1:
+                    continue
+                steps[(graphs, batch)] = decode_step_time(llm, batch, self.args.step_context)
+            weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+            kv_per_token = llm.engine.model_config.kv_bytes_per_token(llm.engine.dtype.itemsize)
+            del llm
+            gc.collect()
+        detail = {}
+        for batch in self.args.step_batches:
+            t, idle = steps[(True, batch)]
+            bytes_read = weights + batch * self.args.step_context * kv_per_token
+            roofline = bytes_read / (bandwidth / 2)  # the copy figure counts bytes read and written
+            detail[batch] = {"step_ms": t * 1e3, "roofline_ms": roofline * 1e3, "ratio": t / roofline,
+                             "idle_ms_between_steps": idle * 1e3}
+            self.rows.append((f"decode step, batch {batch}, context {self.args.step_context}",
+                              f"{t * 1e3:.2f} ms = {t / roofline:.2f}x roofline ({roofline * 1e3:.2f} ms); "
+                              f"idle {idle * 1e3:.2f} ms", "<= 1.5x at 64, 256"))
+        eager_t, _ = steps[(False, 1)]
+        graph_t, _ = steps[(True, 1)]
+        detail["graphs_vs_eager_batch1"] = eager_t / graph_t
+        self.results["decode_steps"] = detail
+        self.rows.append(("CUDA graphs vs eager, decode step at batch 1", f"{eager_t / graph_t:.2f}x", ">= 1.5x"))
+
+    # -- 5. Llama-3-8B ------------------------------------------------------------
+    def llama8b(self) -> None:
+        r = self.throughput("llama3_8b_graphs", self.big_shape)
+        self.rows.append(("Llama-3-8B shape, CUDA graphs: output tok/s", f"{r['output_throughput']:,.0f}", ""))
+
+    def table(self) -> None:
+        width = max(len(r[0]) for r in self.rows)
+        print(f"\n{self.results['device']}; {self.elapsed():.0f}s; details in {self.out}/results.json")
+        for figure, value, target in self.rows:
+            print(f"{figure:<{width}}  {value}" + (f"   [target {target}]" if target else ""))
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA device)"
+
+
+def checkpoint(root: Path, shape: dict) -> Path:
+    """A config.json of the shape plus the built-in tokenizer; weights are dummy."""
+    path = root / f"{shape['model_type']}-{shape['hidden_size']}x{shape['num_hidden_layers']}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**shape, "torch_dtype": "bfloat16"}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / f).write_bytes((DEFAULT_MODEL_DIR / f).read_bytes())
+    return path
+
+
+def hf_model(shape: dict, dtype: str):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in shape.items() if k != "architectures"})
+    torch_dtype = getattr(torch, dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    return model.eval()
+
+
+def hf_continuous(model, requests, output_len: int) -> dict:
+    """transformers' continuous batching (`generate_batch`, paged attention)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    _sync()
+    start = time.perf_counter()
+    with torch.no_grad():  # not inference_mode: its worker thread updates tensors made here
+        outputs = model.generate_batch(inputs=[r.prompt for r in requests], generation_config=config)
+    _sync()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_throughput": tokens / elapsed}
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read plus written per second (best of 10)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / best
+
+
+def decode_step_time(llm: LLM, batch: int, context: int, steps: int = 30) -> tuple[float, float]:
+    """Median wall time of a decode-only step of `batch` requests at ~`context` tokens, and
+    the GPU's idle time per step (wall time minus the time the GPU spent in the step)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0, detokenize=False)
+    for i in range(batch):
+        request, _ = engine.make_request([(7 * i + j) % 8000 + 10 for j in range(context)], params,
+                                         request_id=f"step-{i}")
+        engine.add_request(request)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()  # prompts first: what is timed below are decode-only steps
+    walls, gpu = [], []
+    for _ in range(steps):
+        ev0, ev1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if _cuda() \
+            else (None, None)
+        _sync()
+        t0 = time.perf_counter()
+        if ev0 is not None:
+            ev0.record()
+        engine.step()
+        if ev1 is not None:
+            ev1.record()
+        _sync()
+        walls.append(time.perf_counter() - t0)
+        gpu.append(ev0.elapsed_time(ev1) / 1e3 if ev0 is not None else walls[-1])
+    while engine.has_unfinished_requests():
+        engine.step()
+    walls.sort()
+    idle = sorted(w - g for w, g in zip(walls, gpu))
+    return walls[len(walls) // 2], idle[len(idle) // 2]
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _sync() -> None:
+    if _cuda():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output-dir", default="gpu_results")
+    p.add_argument("--budget-s", type=float, default=520.0, help="skip sections that would end later than this")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--hf-requests", type=int, default=128)
+    p.add_argument("--hf-batch-sizes", default="64,128")
+    p.add_argument("--cb-output-len", type=int, default=256)
+    p.add_argument("--step-batches", default="1,64,256")
+    p.add_argument("--step-context", type=int, default=512)
+    p.add_argument("--tests-timeout-s", type=float, default=240.0)
+    p.add_argument("--only", default="tests,qwen3,hf,steps,llama8b")
+    p.add_argument("--smoke", action="store_true", help="a tiny shape and workload, to check the script itself")
+    args = p.parse_args()
+    args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
+    args.step_batches = [int(x) for x in args.step_batches.split(",")]
+    args.lens = (100, 1024)
+    bench = Bench(args)
+    bench.shape, bench.big_shape = QWEN3_06B, LLAMA3_8B
+    if args.smoke:
+        bench.shape = bench.big_shape = TINY
+        args.lens = (16, 48)
+        args.num_requests, args.hf_requests, args.max_num_seqs, args.cb_output_len = 24, 8, 8, 16
+        args.hf_batch_sizes, args.step_batches, args.step_context = [4, 8], [1, 4], 64
+        if not torch.cuda.is_available():
+            args.dtype = "float32"
+    only = set(args.only.split(","))
+    # cost estimates (s) on an H100, so a section that cannot finish is skipped, not cut off
+    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 90), ("steps", bench.steps, 60),
+                           ("hf", bench.hf, 120), ("llama8b", bench.llama8b, 90)]:
+        if name in only:
+            bench.section(name, fn, 0 if args.smoke else cost)
+    bench.table()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,101 @@
+"""The engine on a CUDA device: parity with HF transformers in bfloat16, CUDA graphs against
+eager, the Triton backend against the torch reference on the same paged cache. Skipped
+without CUDA (benchmarks/gpu_throughput.py runs them in a device session)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_checkpoint
+from tests.models.test_parity import PROMPTS, assert_close_outputs, hf_greedy
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+NUM_TOKENS = 32
+PARAMS = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # head_dim 64, GQA 2, big enough that bf16 rounding matters as it does in real models
+    return make_checkpoint(tmp_path_factory.mktemp("gpu") / "qwen3", "qwen3", hidden=256, layers=4)
+
+
+def run(path, prompts=PROMPTS, **engine_args):
+    llm = LLM(str(path), device="cuda", **{"gpu_memory_utilization": 0.3, **engine_args})
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_bf16_parity_with_transformers(checkpoint):
+    """Greedy tokens equal for most prompts; where they part, a near-tie (top-5 both ways)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
+    ref = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            gen = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=NUM_TOKENS,
+                                 min_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0, output_scores=True,
+                                 return_dict_in_generate=True)
+            ref.append((gen.sequences[0, len(p):].tolist(), [torch.log_softmax(s[0].float(), -1).cpu()
+                                                              for s in gen.scores]))
+    _, ours = run(checkpoint, dtype="bfloat16")
+    assert_close_outputs(ref, ours, "qwen3-bf16-cuda")
+    equal = sum(t == r for t, (r, _) in zip(tokens(ours), ref))
+    assert equal >= len(PROMPTS) // 2, f"only {equal} of {len(PROMPTS)} prompts gave HF's exact tokens"
+
+
+def test_step_has_no_hidden_host_syncs(checkpoint):
+    """torch flags every implicit sync (.item(), blocking copies, nonzero, ...): a step may only
+    wait where it means to, on the sampled ids (and logprobs) and on last step's input copies."""
+    llm = LLM(str(checkpoint), device="cuda", gpu_memory_utilization=0.3, dtype="bfloat16")
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, seed=3, logprobs=2)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)  # warm-up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [PARAMS, sampled] * 3, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_float32_matches_transformers_exactly(checkpoint):
+    ref = hf_greedy(checkpoint, PROMPTS, NUM_TOKENS)
+    _, ours = run(checkpoint, dtype="float32")
+    assert tokens(ours) == [t for t, _ in ref]
+
+
+def test_cuda_graphs_equal_eager(checkpoint):
+    llm, graphs = run(checkpoint, dtype="float32")
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    _, eager = run(checkpoint, dtype="float32", enforce_eager=True)
+    assert tokens(graphs) == tokens(eager)
+    for a, b in zip(graphs, eager):
+        for step, (lp_a, lp_b) in enumerate(zip(a.outputs[0].logprobs, b.outputs[0].logprobs)):
+            tok = a.outputs[0].token_ids[step]
+            assert lp_a[tok] == pytest.approx(lp_b[tok], abs=1e-3)
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    dict(max_num_batched_tokens=7),  # chunked prefill
+    dict(num_gpu_blocks_override=12),  # 192 tokens of KV: preemption
+], ids=["plain", "chunked-7", "preemption"])
+def test_triton_equals_torch_backend(checkpoint, engine_args):
+    """Same paged cache layout, same tokens; a second pass hits the prefix cache."""
+    outs = {}
+    for backend in ("triton", "torch"):
+        llm, first = run(checkpoint, dtype="float32", attention_backend=backend, enforce_eager=True,
+                         **engine_args)
+        second = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+        assert any(o.metrics.num_cached_tokens > 0 for o in second)
+        llm.engine.kv_cache.check_integrity()
+        if "num_gpu_blocks_override" in engine_args:
+            assert llm.engine.scheduler.num_preemptions > 0
+        outs[backend] = tokens(first) + tokens(second)
+    assert outs["triton"] == outs["torch"]

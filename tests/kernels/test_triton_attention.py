@@ -1,0 +1,86 @@
+"""The Triton paged-attention kernels against a dense float64 reference.
+
+On a machine without a GPU they run under Triton's interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1). Every cache slot outside the requests' contexts holds
+NaN and the output starts as NaN, so a stray read or a missed write shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_attention import run_backend
+
+triton_attention = pytest.importorskip("tokenmill.executor.attention.triton",
+                                       reason="Triton is not installed (x86-64 Linux test dependency)")
+TritonBackend = triton_attention.TritonBackend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+# mixed steps: decodes of ragged lengths, a fresh prompt, chunks after a prefix hit or an earlier chunk
+MIXED = ([1, 9, 1, 20, 1, 3], [40, 9, 3, 57, 100, 35])
+DECODES = ([1] * 5, [1, 16, 17, 90, 250])
+
+
+def triton_backend(num_splits=None):
+    def make(cache, block_size, heads):
+        return TritonBackend(cache.to(DEVICE), block_size, num_heads=heads, num_splits=num_splits)
+    return make
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Outputs start as NaN, so a row no kernel wrote shows."""
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
+
+
+def check(dtype, query_lens, seq_lens, heads, kv_heads, dim, block_size, num_splits=None, seed=0):
+    out, ref, backend = run_backend(triton_backend(num_splits), dtype, query_lens, seq_lens, seed=seed, heads=heads,
+                                    kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    return backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 2), (8, 1)], ids=["g1", "g4", "g3", "mqa8"])
+def test_mixed_batch_gqa_groups(poisoned_outputs, dtype, heads, kv_heads):
+    check(dtype, *MIXED, heads=heads, kv_heads=kv_heads, dim=32, block_size=16)
+
+
+@pytest.mark.parametrize("dim", [64, 80, 96, 128, 256])
+def test_head_dims_padded_to_a_power_of_two(poisoned_outputs, dim):
+    check(torch.float16, [1, 5, 1], [20, 5, 33], heads=4, kv_heads=2, dim=dim, block_size=16)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_block_sizes(poisoned_outputs, block_size):
+    check(torch.float32, *MIXED, heads=4, kv_heads=2, dim=16, block_size=block_size, seed=1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 4])
+def test_split_kv_decode(poisoned_outputs, num_splits):
+    backend = check(torch.bfloat16, *DECODES, heads=8, kv_heads=2, dim=64, block_size=16, num_splits=num_splits)
+    assert backend.plan.chunks is None and backend.plan.decodes.num_splits == num_splits
+
+
+def test_long_chunk_after_prefix_hit(poisoned_outputs):
+    """A 70-token chunk over 130 cached tokens: several query tiles, keys in scattered blocks."""
+    check(torch.float32, [70, 1], [200, 31], heads=2, kv_heads=1, dim=16, block_size=16, seed=2)
+
+
+def test_padding_tokens_are_not_written():
+    """slot -1 (a CUDA-graph padding row) leaves the cache as it was."""
+    cache = torch.zeros(1, 2, 64, 2, 16, device=DEVICE)
+    backend = TritonBackend(cache, 16, num_heads=2)
+    k = torch.ones(3, 2, 16, device=DEVICE)
+    slots = torch.tensor([5, -1, 7], device=DEVICE)
+    triton_attention._write_kv[(3, 2)](k, k * 2, cache[0, 0], cache[0, 1], slots, k.stride(0), k.stride(1),
+                                       k.stride(0), k.stride(1), cache[0, 0].stride(0), cache[0, 0].stride(1),
+                                       HEAD_DIM=16, D_PAD=16)
+    written = cache[0, 0].abs().sum(dim=(1, 2)).nonzero().flatten().tolist()
+    assert written == [5, 7] and (cache[0, 1, 7] == 2).all()
+    assert backend.d_pad == 16

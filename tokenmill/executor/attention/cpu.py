@@ -1,0 +1,105 @@
+"""Paged attention on the CPU through the native kernels (executor/csrc), in place in the cache.
+
+- K and V of the new tokens are written by one kernel call per layer.
+- Decodes (one query token) go to the decode kernel, which reads each context
+  through the block table (executor/csrc/attention.cpp).
+- Chunks of several tokens (prompts, later chunks of a long prompt, the rest of a
+  prompt after a prefix hit) in bfloat16 with head dim 64 or 128 on a CPU with
+  AVX512-BF16 go to the prefill kernel, one call per layer for all of them
+  (executor/csrc/prefill_attention.cpp). Other chunks take the torch reference
+  path (gather + SDPA), which this backend inherits.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tokenmill.executor.attention.base import AttentionMetadata, ToDevice
+from tokenmill.executor.attention.torch_ref import TorchBackend, TorchPlan
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
+
+
+class KernelDecodes(NamedTuple):
+    tokens: torch.Tensor  # [D] int64, the decodes' rows of q
+    block_table: torch.Tensor  # [D, max_blocks] int32
+    seq_lens: torch.Tensor  # [D] int32
+
+
+class KernelChunks(NamedTuple):
+    block_table: torch.Tensor  # [C, max_blocks] int32
+    seq_lens: torch.Tensor  # [C] int32
+    q_starts: torch.Tensor  # [C] int32, first row of each chunk in q
+    q_lens: torch.Tensor  # [C] int32
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, kv_cache: torch.Tensor, block_size: int, to_device: ToDevice | None = None,
+                 kernels: ModuleType | None = None) -> None:
+        super().__init__(kv_cache, block_size, to_device)
+        self.kernels = kernels or load_cpu_kernels()
+        if self.kernels is None:
+            raise ValueError("attention_backend='cpu' needs the native CPU kernels, which could not be built "
+                             "(a C++ compiler and ninja are needed); use attention_backend='torch'")
+        self.prefill_kernel = (self.kernels.has_bf16_prefill_attention and kv_cache.dtype == torch.bfloat16
+                               and self.head_dim in (64, 128))
+        self.decodes: KernelDecodes | None = None
+        self.chunks: KernelChunks | None = None
+
+    @classmethod
+    def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU only, not on {device.type}; "
+                             f"use 'triton' or 'torch'")
+        if load_cpu_kernels() is None:
+            raise ValueError("attention_backend='cpu' needs the native CPU kernels, which could not be built "
+                             "(a C++ compiler and ninja are needed); use attention_backend='torch'")
+
+    def begin_step(self, md: AttentionMetadata) -> None:
+        self.md = md
+        decodes = np.flatnonzero(md.query_lens_cpu == 1)
+        chunks = np.flatnonzero(md.query_lens_cpu > 1)
+        self.decodes = self._plan_kernel_decodes(md, decodes) if len(decodes) else None
+        self.chunks = None
+        if len(chunks) and self.prefill_kernel:
+            self.chunks = self._plan_kernel_chunks(md, chunks)
+            chunks = chunks[:0]
+        self.plan = TorchPlan([], self.plan_chunks(md, chunks.tolist()))
+        self._reserve_workspace()
+
+    def _plan_kernel_decodes(self, md: AttentionMetadata, rows: np.ndarray) -> KernelDecodes:
+        max_blocks = -(-int(md.seq_lens_cpu[rows].max()) // self.block_size)
+        return KernelDecodes(self.to_device(md.query_start_loc_cpu[rows].astype(np.int64)),
+                             self.to_device(np.ascontiguousarray(md.block_table_cpu[rows, :max_blocks])),
+                             self.to_device(md.seq_lens_cpu[rows]))
+
+    def _plan_kernel_chunks(self, md: AttentionMetadata, rows: np.ndarray) -> KernelChunks:
+        max_blocks = -(-int(md.seq_lens_cpu[rows].max()) // self.block_size)
+        return KernelChunks(self.to_device(np.ascontiguousarray(md.block_table_cpu[rows, :max_blocks])),
+                            self.to_device(md.seq_lens_cpu[rows]), self.to_device(md.query_start_loc_cpu[rows]),
+                            self.to_device(md.query_lens_cpu[rows]))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        # one call for both, on k and v as they are (views of qkv)
+        self.kernels.write_kv(k, v, k_cache, v_cache, self.md.slot_mapping)
+        out = torch.empty_like(q)
+        scale = self.head_dim ** -0.5
+        if self.decodes is not None:
+            d = self.decodes
+            only_decodes = len(d.tokens) == len(q)  # most steps: write straight into out
+            qd = q if only_decodes else q.index_select(0, d.tokens)  # the kernel takes strided rows
+            od = out if only_decodes else torch.empty_like(qd)
+            self.kernels.paged_decode_attention(od, qd, k_cache, v_cache, d.block_table, d.seq_lens,
+                                                self.block_size, scale)
+            if not only_decodes:
+                out.index_copy_(0, d.tokens, od)
+        if self.chunks is not None:  # writes the chunks' rows of out
+            self.kernels.paged_prefill_attention(out, q, k_cache, v_cache, *self.chunks, self.block_size, scale)
+        self.run_chunks(out, q, k, v, k_cache, v_cache)
+        return out

@@ -1,0 +1,339 @@
+"""Paged attention for CUDA in Triton: K/V cache write, chunked-prefill attention, split-KV decode.
+
+Tested in CI on the CPU with Triton's interpreter (TRITON_INTERPRET=1, set before
+this module is imported). The interpreter computes bfloat16 arithmetic wrongly
+(Triton issue #11584), so there, and only there, bfloat16 tiles are widened to
+float32 as they are loaded (the UPCAST constexpr); float32 and float16 run the
+GPU code unchanged.
+
+Layout: a layer's cache is [num_blocks * block_size, kv_heads, head_dim]; token j
+of a request lives in slot block_table[j // block_size] * block_size + j % block_size.
+Head dims up to 256 are padded to the next power of two (at least 16, the
+smallest `tl.dot` side) with masks; any power-of-two block size from 16 up works,
+since each key tile looks up the block of every token it reads.
+
+Work split:
+- `_write_kv`: a program per (token, kv head) copies one K row and one V row;
+  slot -1 (a padding token) is skipped.
+- `_chunk_attention`: a program per (query tile, kv head). A query tile is BLOCK_Q
+  consecutive tokens of one request times the G query heads sharing the kv head
+  (rows = token * G + head, BLOCK_M = BLOCK_Q * G rows padded to a power of two),
+  so each K/V tile read serves the whole GQA group. Keys run from the start of
+  the context to the tile's last query position (causal, aligned to the context's
+  end), in TILE_N-token tiles with an online softmax. It also serves decodes that
+  come mixed with chunks; prefix hits and later chunks of long prompts need nothing
+  special: their earlier tokens are simply in the cache.
+- `_decode_attention`: a program per (decode, kv head, split): the context is cut
+  into NUM_SPLITS ranges (flash-decoding) so that small batches with long contexts
+  still fill the GPU; `_merge_splits` combines the partial results by their
+  log-sum-exp. The grid depends only on the batch, so CUDA graphs capture it.
+Bound: both attention kernels read K/V once per (request, kv head, query tile),
+so decode is bound by the cache bytes over HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.executor.attention.base import AttentionMetadata, ToDevice, default_to_device
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_HEAD_DIM = 256
+MIN_BLOCK_SIZE = 16
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+              stride_slot, stride_head, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        offs_d = tl.arange(0, D_PAD)
+        mask = offs_d < HEAD_DIM
+        dst = slot * stride_slot + h * stride_head + offs_d
+        tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d, mask=mask), mask=mask)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, lo, hi,
+            scale_log2, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of the rows q over keys [lo, hi) of one context; a row sees key j
+    when j <= its position. m_i and the scores are in log2 units."""
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    for start in range(lo, hi, TILE_N):
+        offs_n = start + tl.arange(0, TILE_N)
+        n_mask = offs_n < hi
+        block = tl.load(table_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+        offs = slot[:, None] * stride_slot + kv_head * stride_head + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :] & row_valid[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _chunk_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, work_req_ptr, work_q0_ptr,
+                     query_start_loc_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                     stride_bt, stride_slot, stride_head, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    work = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(work_req_ptr + work)
+    q0 = tl.load(work_q0_ptr + work)  # the tile's first token, counted within the chunk
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    context_len = tl.load(seq_lens_ptr + req) - query_len  # tokens cached before this chunk
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    tok = q0 + offs_m // G
+    head = kv_head * G + offs_m % G
+    row_valid = (offs_m < BLOCK_Q * G) & (tok < query_len)
+    q_rows = (q_start + tok).to(tl.int64)
+    io_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask,
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    hi = context_len + tl.minimum(q0 + BLOCK_Q, query_len)  # the tile's last query sees up to here
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, context_len + tok, row_valid, k_cache_ptr, v_cache_ptr,
+                            block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, 0, hi, scale_log2,
+                            stride_slot, stride_head, BLOCK_SIZE, TILE_N, HEAD_DIM, D_PAD, UPCAST, PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_attention(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
+                      rows_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
+                      stride_oh, stride_bt, stride_slot, stride_head, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(rows_ptr + i)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    head = kv_head * G + offs_m
+    row_valid = offs_m < G
+    io_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS)
+    lo = split * tiles_per_split * TILE_N
+    hi = tl.minimum(seq_len, lo + tiles_per_split * TILE_N)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1  # the decode sees its whole context
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr,
+                            block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, lo, hi, scale_log2,
+                            stride_slot, stride_head, BLOCK_SIZE, TILE_N, HEAD_DIM, D_PAD, UPCAST, PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # partials: [decodes, heads, NUM_SPLITS, D_PAD] and [decodes, heads, NUM_SPLITS]; an empty
+        # split (or a padding row, seq_len 0) leaves lse = -inf and weighs nothing
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        num_heads = tl.num_programs(1) * G
+        base = (i.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + base[:, None] * D_PAD + offs_d[None, :], out, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + base, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, rows_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  D_PAD: tl.constexpr):
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    token = tl.load(query_start_loc_ptr + tl.load(rows_ptr + i)).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    base = (i.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + base, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)))
+    parts = tl.load(part_out_ptr + base[:, None] * D_PAD + offs_d[None, :], mask=(offs_s < NUM_SPLITS)[:, None],
+                    other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+class ChunkWork(NamedTuple):
+    """One program per (query tile, kv head): the tile's request and first token in its chunk."""
+
+    req: torch.Tensor  # [W] int32
+    q0: torch.Tensor  # [W] int32
+
+
+class DecodeWork(NamedTuple):
+    rows: torch.Tensor  # [D] int32, the decodes' request indices
+    num_splits: int
+    part_out: torch.Tensor | None  # [D, heads, splits, D_PAD] float32 when split
+    part_lse: torch.Tensor | None  # [D, heads, splits] float32
+
+
+class TritonPlan(NamedTuple):
+    md: AttentionMetadata
+    chunks: ChunkWork | None
+    decodes: DecodeWork | None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonBackend:
+    name = "triton"
+    graph_safe = True  # launches depend on the batch size only (executor/cuda_graphs.py)
+
+    def __init__(self, kv_cache: torch.Tensor, block_size: int, to_device: ToDevice | None = None,
+                 num_heads: int | None = None, num_splits: int | None = None) -> None:
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks * block_size, kv_heads, head_dim]
+        self.block_size = block_size
+        self.kv_heads, self.head_dim = kv_cache.shape[-2:]
+        self.num_heads = num_heads or self.kv_heads
+        self.group = self.num_heads // self.kv_heads
+        self.to_device = to_device or default_to_device(kv_cache.device)
+        self.d_pad = max(16, _pow2(self.head_dim))
+        self.scale_log2 = self.head_dim ** -0.5 * LOG2E
+        self.upcast = INTERPRET and kv_cache.dtype == torch.bfloat16
+        self.precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+        # a decode's rows are its G heads, padded to the 16 rows a tl.dot needs at least
+        self.decode_block_m = max(16, _pow2(self.group))
+        # a chunk tile: BLOCK_Q tokens x G heads; small tiles keep the interpreter fast
+        self.chunk_block_m = max(16 if INTERPRET else 64, _pow2(self.group))
+        self.chunk_block_q = self.chunk_block_m // self.group
+        self.tile_n = 16 if INTERPRET else min(64, block_size)
+        self.fixed_splits = num_splits
+        self.num_sms = (torch.cuda.get_device_properties(kv_cache.device).multi_processor_count
+                        if kv_cache.is_cuda else 1)
+        self.plan: TritonPlan | None = None
+
+    @classmethod
+    def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+        if device.type != "cuda" and not INTERPRET:
+            raise ValueError(f"attention_backend='triton' needs a CUDA device (this engine runs on {device.type}); "
+                             f"on the CPU it runs only under Triton's interpreter, TRITON_INTERPRET=1, for tests")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_backend='triton' supports float32, float16 and bfloat16, not {dtype}")
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"attention_backend='triton' supports head dims 1..{MAX_HEAD_DIM} "
+                             f"(64, 80, 96, 128, 256, ...), not {head_dim}")
+        if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+            raise ValueError(f"attention_backend='triton' supports block_size 16, 32, 64, 128 or 256, "
+                             f"not {block_size}")
+
+    # -- planning, once per step ----------------------------------------------
+    def begin_step(self, md: AttentionMetadata) -> None:
+        decodes = np.flatnonzero(md.query_lens_cpu == 1).astype(np.int32)
+        chunks = np.flatnonzero(md.query_lens_cpu > 1)
+        chunk_work = None
+        if len(chunks):
+            tiles = -(-md.query_lens_cpu[chunks] // self.chunk_block_q)
+            req = np.repeat(chunks, tiles).astype(np.int32)
+            first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+            q0 = ((np.arange(len(req)) - first) * self.chunk_block_q).astype(np.int32)
+            chunk_work = ChunkWork(self.to_device(req), self.to_device(q0))
+        decode_work = None
+        if len(decodes):
+            splits = self.decode_splits(len(decodes), int(md.seq_lens_cpu[decodes].max()))
+            decode_work = self.decode_work(self.to_device(decodes), splits)
+        self.plan = TritonPlan(md, chunk_work, decode_work)
+
+    def decode_splits(self, num_decodes: int, max_seq_len: int) -> int:
+        """Enough splits that decodes x kv heads x splits fill the GPU about twice, but no
+        split shorter than 4 tiles; a fixed count if one was given."""
+        if self.fixed_splits is not None:
+            return self.fixed_splits
+        want = -(-2 * self.num_sms // (num_decodes * self.kv_heads))
+        most = max(1, max_seq_len // (4 * self.tile_n))
+        return max(1, min(want, most, 16))
+
+    def decode_work(self, rows: torch.Tensor, num_splits: int) -> DecodeWork:
+        if num_splits == 1:
+            return DecodeWork(rows, 1, None, None)
+        device = self.kv_cache.device
+        n = len(rows)
+        return DecodeWork(rows, num_splits,
+                          torch.empty(n, self.num_heads, num_splits, self.d_pad, dtype=torch.float32, device=device),
+                          torch.empty(n, self.num_heads, num_splits, dtype=torch.float32, device=device))
+
+    # -- per layer -------------------------------------------------------------
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        plan = self.plan
+        md = plan.md
+        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        stride_slot, stride_head = k_cache.stride(0), k_cache.stride(1)
+        _write_kv[(len(k), self.kv_heads)](k, v, k_cache, v_cache, md.slot_mapping, k.stride(0), k.stride(1),
+                                           v.stride(0), v.stride(1), stride_slot, stride_head,
+                                           HEAD_DIM=self.head_dim, D_PAD=self.d_pad)
+        out = torch.empty_like(q)
+        common = dict(BLOCK_SIZE=self.block_size, TILE_N=self.tile_n, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
+                      UPCAST=self.upcast, PRECISION=self.precision)
+        if plan.chunks is not None:
+            work = plan.chunks
+            _chunk_attention[(len(work.req), self.kv_heads)](
+                out, q, k_cache, v_cache, md.block_table, work.req, work.q0, md.query_start_loc, md.seq_lens,
+                self.scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_table.stride(0),
+                stride_slot, stride_head, G=self.group, BLOCK_M=self.chunk_block_m, BLOCK_Q=self.chunk_block_q,
+                **common)
+        if plan.decodes is not None:
+            d = plan.decodes
+            n = len(d.rows)
+            _decode_attention[(n, self.kv_heads, d.num_splits)](
+                out, d.part_out, d.part_lse, q, k_cache, v_cache, md.block_table, d.rows, md.query_start_loc,
+                md.seq_lens, self.scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                md.block_table.stride(0), stride_slot, stride_head, G=self.group, BLOCK_M=self.decode_block_m,
+                NUM_SPLITS=d.num_splits, **common)
+            if d.num_splits > 1:
+                _merge_splits[(n, self.num_heads)](out, d.part_out, d.part_lse, d.rows, md.query_start_loc,
+                                                   out.stride(0), out.stride(1), NUM_SPLITS=d.num_splits,
+                                                   SPLITS_PAD=_pow2(d.num_splits), HEAD_DIM=self.head_dim,
+                                                   D_PAD=self.d_pad)
+        return out
