@@ -26,7 +26,7 @@ DECODES = ([1] * 5, [1, 16, 17, 90, 250])
 
 def triton_backend(num_splits=None):
     def make(cache, block_size, heads):
-        return TritonBackend(cache.to(DEVICE), block_size, num_heads=heads, num_splits=num_splits)
+        return TritonBackend(cache, block_size, num_heads=heads, num_splits=num_splits)
     return make
 
 
@@ -39,9 +39,10 @@ def poisoned_outputs(monkeypatch):
 
 def check(dtype, query_lens, seq_lens, heads, kv_heads, dim, block_size, num_splits=None, seed=0):
     out, ref, backend = run_backend(triton_backend(num_splits), dtype, query_lens, seq_lens, seed=seed, heads=heads,
-                                    kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"))
+                                    kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"),
+                                    device=DEVICE)
     assert not out.isnan().any()
-    torch.testing.assert_close(out.cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
     return backend
 
 

@@ -30,7 +30,7 @@ def dense_reference(q, ks, vs, query_lens, seq_lens):
 
 
 def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                block_size=BS, fill=0.0):
+                block_size=BS, fill=0.0, device="cpu"):
     """make_backend(cache, block_size, heads) -> backend. fill: what the cache holds outside the
     requests' contexts (NaN shows any read of it; the torch path's gathers read whole blocks
     and mask, so it needs finite values there)."""
@@ -56,18 +56,20 @@ def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, 
         new_v.append(v[L - n:])
     width = max(len(t) for t in tables)
     q = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
+    cache = cache.to(device)
     md = AttentionMetadata.from_host(
         np.array(query_lens, dtype=np.int32), np.array(seq_lens, dtype=np.int32),
         np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32),
-        torch.tensor(slots, dtype=torch.long), block_size, default_to_device(cache.device))
+        torch.tensor(slots, dtype=torch.long, device=device), block_size, default_to_device(cache.device))
     backend = make_backend(cache, block_size, heads)
     backend.begin_step(md)
     # strided views of one fused qkv row per token, as the model passes them
     tokens = len(q)
-    qkv = torch.cat([q.view(tokens, -1), torch.cat(new_k).view(tokens, -1), torch.cat(new_v).view(tokens, -1)], dim=1)
+    qkv = torch.cat([q.view(tokens, -1), torch.cat(new_k).view(tokens, -1), torch.cat(new_v).view(tokens, -1)],
+                    dim=1).to(device)
     qv, kv, vv = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     out = backend(qv.view(tokens, heads, dim), kv.view(tokens, kv_heads, dim), vv.view(tokens, kv_heads, dim), layer=0)
-    return out.double(), dense_reference(q, ks, vs, query_lens, seq_lens), backend
+    return out.double().cpu(), dense_reference(q, ks, vs, query_lens, seq_lens), backend
 
 
 def torch_backend(cache, block_size, heads):

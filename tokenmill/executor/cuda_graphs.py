@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -34,15 +35,30 @@ def graph_buckets(max_batch_size: int) -> list[int]:
     return sorted({min(b, max_batch_size) for b in buckets})
 
 
+class EagerReplay:
+    """A stand-in for a CUDA graph where there is no CUDA: replay re-runs the forward on the
+    same static buffers and plan, so the buffer, padding and bucket logic runs in the CPU
+    tests (Triton under its interpreter) exactly as it feeds a captured graph."""
+
+    def __init__(self, model, ids: torch.Tensor, positions: torch.Tensor, attn, hidden: torch.Tensor) -> None:
+        self.model, self.ids, self.positions, self.attn, self.hidden = model, ids, positions, attn, hidden
+        self.plan = attn.plan
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        self.attn.plan = self.plan
+        self.hidden.copy_(self.model(self.ids, self.positions, self.attn))
+
+
 class CapturedGraph(NamedTuple):
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | EagerReplay
     hidden: torch.Tensor  # the forward's output buffer, [bucket, hidden]
     plan: object  # the backend's plan tensors the graph reads: kept alive with it
 
 
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
-        self.runner = runner
+        self.runner = weakref.proxy(runner)  # the runner owns this; no cycle keeps a dead engine's memory
         self.buckets = graph_buckets(max_batch_size)
         b = self.buckets[-1]
         max_blocks = -(-runner.max_model_len // runner.block_size)
@@ -63,18 +79,21 @@ class CudaGraphRunner:
             self.buckets = []
             return
         device = self.runner.device
-        torch.cuda.synchronize(device)
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-        pool = torch.cuda.graph_pool_handle()
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0] if cuda else 0
+        pool = torch.cuda.graph_pool_handle() if cuda else None
         try:
             for b in reversed(self.buckets):
                 self.graphs[b] = self._capture(b, pool)
         except torch.OutOfMemoryError as e:
             raise ValueError("CUDA ran out of memory while capturing CUDA graphs; lower gpu_memory_utilization "
                              "(the KV cache takes that share of the device), or pass enforce_eager") from e
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
+            self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1fs, %.0f MiB", len(self.graphs),
                     self.buckets[0], self.buckets[-1], self.capture_seconds, self.capture_bytes / 2**20)
 
@@ -94,7 +113,9 @@ class CudaGraphRunner:
         attn.begin_step(md)  # outside the capture: the plan's tensors are made once, then only read
         runner.staging.end()
         ids, positions = self.input_ids[:b], self.positions[:b]
-        model(ids, positions, attn)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        hidden = model(ids, positions, attn)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        if runner.device.type != "cuda":
+            return CapturedGraph(EagerReplay(model, ids, positions, attn, hidden), hidden, attn.plan)
         torch.cuda.synchronize(runner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):

@@ -44,6 +44,8 @@ class ModelRunner:
         self.backend_cls = select_attention_backend(config.attention_backend, device, dtype, model_config.head_dim,
                                                     config.block_size)
         kernels = load_cpu_kernels() if device.type == "cpu" else None
+        # what torch holds already in this process (another engine, a reference model): not ours
+        self.memory_baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         self.model = load_model(model_path, model_config, config.load_format, dtype, device,
                                 max_position=max(max_model_len, model_config.max_position_embeddings),

@@ -52,7 +52,9 @@ class Sampler:
             logits = logits.float()  # greedy alone needs no widening: bf16 -> f32 keeps the order
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         if batch.banned is not None:
-            logits[batch.banned] = float("-inf")
+            # the value as a device tensor: a Python scalar would be copied over, blocking
+            logits.index_put_(batch.banned, torch.full(batch.banned[0].shape, float("-inf"), dtype=logits.dtype,
+                                                       device=logits.device))
         ids = self._argmax(logits) if batch.all_greedy else self._sample(logits, batch)
         if raw_logprobs is None:
             return [(t, None) for t in self._to_host(ids)[0].tolist()]  # the one host sync of the step
@@ -63,7 +65,9 @@ class Sampler:
         if not self.cuda:
             return list(tensors)
         out = [t.to("cpu", non_blocking=True) for t in tensors]
-        torch.cuda.current_stream().synchronize()
+        copied = torch.cuda.Event()
+        copied.record()
+        copied.synchronize()
         return out
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:

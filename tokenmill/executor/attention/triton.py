@@ -243,13 +243,17 @@ class TritonBackend:
         self.d_pad = max(16, _pow2(self.head_dim))
         self.scale_log2 = self.head_dim ** -0.5 * LOG2E
         self.upcast = INTERPRET and kv_cache.dtype == torch.bfloat16
-        self.precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+        # float32 must not drop to tf32 (parity); 16-bit operands take the default
+        self.precision = "ieee" if kv_cache.dtype == torch.float32 else None
         # a decode's rows are its G heads, padded to the 16 rows a tl.dot needs at least
         self.decode_block_m = max(16, _pow2(self.group))
         # a chunk tile: BLOCK_Q tokens x G heads; small tiles keep the interpreter fast
         self.chunk_block_m = max(16 if INTERPRET else 64, _pow2(self.group))
         self.chunk_block_q = self.chunk_block_m // self.group
-        self.tile_n = 16 if INTERPRET else min(64, block_size)
+        # keys per loop pass, independent of the block size (each key looks up its block);
+        # narrower at head dim 256, where the tile's registers run out
+        self.tile_n = 16 if INTERPRET else (32 if self.d_pad >= 256 else 64)
+        self.num_warps = 8 if self.d_pad >= 256 else 4
         self.fixed_splits = num_splits
         self.num_sms = (torch.cuda.get_device_properties(kv_cache.device).multi_processor_count
                         if kv_cache.is_cuda else 1)
@@ -315,7 +319,7 @@ class TritonBackend:
                                            HEAD_DIM=self.head_dim, D_PAD=self.d_pad)
         out = torch.empty_like(q)
         common = dict(BLOCK_SIZE=self.block_size, TILE_N=self.tile_n, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
-                      UPCAST=self.upcast, PRECISION=self.precision)
+                      UPCAST=self.upcast, PRECISION=self.precision, num_warps=self.num_warps, num_stages=2)
         if plan.chunks is not None:
             work = plan.chunks
             _chunk_attention[(len(work.req), self.kv_heads)](
