@@ -13,6 +13,8 @@ prefix  prefix caching on vs off: 64 requests sharing a 1024-token prefix. Targe
 prompts prompt tokens/s of the native bf16 prefill attention kernel vs torch's SDPA in the
         same engine, prompts of 256, 1024 and 2000 tokens.
 memory  resident memory over 5,000 requests through one engine: must stay flat.
+penalties  the hf workload with presence, frequency and repetition penalties and a logit bias
+        on every request vs none, rounds in turn, the median ratio. Target: >= 0.95.
 """
 
 from __future__ import annotations
@@ -156,6 +158,24 @@ def bench_prompts(path: Path, args) -> dict:
     return out
 
 
+def bench_penalties(path: Path, args) -> dict:
+    requests = random_requests(64, (32, 256), (32, 256), SHAPE_56M["vocab_size"], seed=0)
+    knobs = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={7: -5.0, 11: 2.0})
+    llm = LLM(str(path))  # auto: bfloat16 where the CPU has it natively, else float32
+    run_throughput(llm, requests[:8], use_tqdm=False, **knobs)  # warm-up
+    plain, penalised = [], []
+    for _ in range(args.penalty_rounds):
+        plain.append(run_throughput(llm, requests, use_tqdm=False).output_throughput)
+        penalised.append(run_throughput(llm, requests, use_tqdm=False, **knobs).output_throughput)
+    ratios = [b / a for a, b in zip(plain, penalised)]
+    for i, (a, b, r) in enumerate(zip(plain, penalised, ratios), 1):
+        print(f"[penalties] round {i}: {a:.0f} tok/s without, {b:.0f} with penalties and bias on every request: "
+              f"{r:.3f}")
+    ratio = statistics.median(ratios)
+    print(f"[penalties] with / without, median of {len(ratios)} rounds: {ratio:.3f} (target >= 0.95)")
+    return {"plain": plain, "penalised": penalised, "ratios": ratios, "ratio": ratio, "target": 0.95}
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -181,13 +201,14 @@ def bench_memory(path: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="hf,static,prefix,prompts,memory")
+    parser.add_argument("--only", default="hf,static,prefix,prompts,memory,penalties")
     parser.add_argument("--hf-rounds", type=int, default=3, help="rounds of tokenmill vs HF at HF's best batch size")
     parser.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
     parser.add_argument("--static-requests", type=int, default=96)
     parser.add_argument("--static-dists", type=lambda s: s.split(","), default=["uniform", "loguniform"])
     parser.add_argument("--max-num-seqs", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32])
     parser.add_argument("--memory-requests", type=int, default=5000)
+    parser.add_argument("--penalty-rounds", type=int, default=3)
     parser.add_argument("--output-json", default="bench_results/cpu_throughput.json")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
@@ -196,7 +217,8 @@ def main() -> None:
         path = make_checkpoint(Path(tmp))
         for name in args.only.split(","):
             results[name] = {"hf": bench_hf, "static": bench_static, "prefix": bench_prefix,
-                             "prompts": bench_prompts, "memory": bench_memory}[name](path, args)
+                             "prompts": bench_prompts, "memory": bench_memory,
+                             "penalties": bench_penalties}[name](path, args)
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(results, indent=2))
     print(f"results written to {args.output_json}")

@@ -21,6 +21,18 @@ def test_generate_streams_text(checkpoints, capsys):
     assert capsys.readouterr().out.startswith("def foo():")
 
 
+def test_generate_takes_penalties_bias_and_bad_words(capsys):
+    """The built-in model, greedy, repeats itself ("the list of the list of ..."): banning the
+    word it repeats takes it out of the text."""
+    argv = ["generate", "def add(a, b):", "--max-tokens", "12"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main(argv + ["--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--repetition-penalty", "1.3",
+                        "--logit-bias", '{"5": -100}', "--bad-words", "list"]) == 0
+    penalised = capsys.readouterr().out
+    assert plain.count("list") >= 2 and "list" not in penalised
+
+
 def test_bench_throughput_writes_json(checkpoints, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = main(["bench", "throughput", "--model", str(checkpoints("llama")), "--num-prompts", "6",
@@ -42,6 +54,8 @@ def test_bench_throughput_writes_json(checkpoints, tmp_path, capsys):
     (["bench", "throughput", "--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["generate", "hi", "--model", "/nonexistent/dir"], "not a checkpoint directory"),
+    (["generate", "hi", "--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2]"),
+    (["generate", "hi", "--logit-bias", "[1]"], "--logit-bias: expected a JSON object"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2

@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, over the generated tokens")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, over the generated tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, over prompt and output; 1: off")
+    gen.add_argument("--logit-bias", default=None, metavar="JSON",
+                     help='token id -> bias in [-100, 100], e.g. \'{"42": -100}\'')
+    gen.add_argument("--bad-words", nargs="+", default=None, metavar="WORD", help="words never generated")
     add_engine_args(gen)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -196,12 +202,27 @@ def _serve(args: argparse.Namespace) -> int:
                  log_level=args.log_level.lower(), access_log=not args.disable_access_log)
 
 
+def _logit_bias(value: str | None) -> dict[int, float] | None:
+    if value is None:
+        return None
+    try:
+        out = json.loads(value)
+        if isinstance(out, dict) and all(str(k).lstrip("-").isdigit() for k in out):
+            return {int(k): v for k, v in out.items()}
+    except json.JSONDecodeError:
+        pass
+    raise ValueError(f"--logit-bias: expected a JSON object of token id -> number, got {value!r}")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine import Engine
     from tokenmill.sampling_params import SamplingParams
 
+    bias = _logit_bias(args.logit_bias)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sample_seed)
+                            top_k=args.top_k, seed=args.sample_seed, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            logit_bias=bias, bad_words=args.bad_words)
     engine = Engine(EngineConfig(**engine_kwargs(args)))
     request, text = engine.make_request(args.prompt, params)
     engine.add_request(request, text)

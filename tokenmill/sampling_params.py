@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS = 100.0
+
+
+class ParamError(ValueError):
+    """Bad input, with the name of the parameter it is about in `.param` (the server's error
+    body reads the attribute, never the message)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -31,37 +42,69 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     n: int = 1
+    presence_penalty: float = 0.0  # OpenAI: -= penalty where a token was generated before
+    frequency_penalty: float = 0.0  # OpenAI: -= penalty x times the token was generated
+    repetition_penalty: float = 1.0  # HF/vLLM: tokens in the prompt or output, / p if > 0 else x p
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, -100..100
+    bad_words: list[str] | None = None  # never generated (as any of their tokenizations)
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
+            raise ParamError("max_tokens", f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 0, got {self.top_k!r}")
+            raise ParamError("top_k", f"top_k must be -1 (disabled) or an integer >= 0, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ParamError("seed", f"seed must be an integer, got {self.seed!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise ParamError("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ParamError("min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise ParamError("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise ParamError("n", f"n must be an integer >= 1, got {self.n!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            raise ParamError("stop",
+                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
         self._stop = stop
         ids = list(self.stop_token_ids or [])
         if any(not _is_int(t) or t < 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ParamError("stop_token_ids",
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ParamError(name, f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0 \
+                or math.isnan(self.repetition_penalty):
+            raise ParamError("repetition_penalty", f"repetition_penalty must be in (0, 100] (1: off), "
+                             f"got {self.repetition_penalty!r}")
+        if self.logit_bias:
+            bias = {}
+            for token, value in dict(self.logit_bias).items():
+                if not _is_int(token) or token < 0:
+                    raise ParamError("logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}")
+                if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} "
+                                     f"for token {token}")
+                bias[token] = float(value)
+            self.logit_bias = bias
+        else:
+            self.logit_bias = None
+        words = list(self.bad_words or [])
+        if any(not isinstance(w, str) or not w.strip() for w in words):
+            raise ParamError("bad_words", f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        self.bad_words = words or None
         if self.temperature < _GREEDY_EPS:
             # greedy ignores the filters; normalising them keeps the sampler's fast path simple
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
@@ -69,6 +112,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence, frequency or repetition penalty is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def stop_strings(self) -> list[str]:

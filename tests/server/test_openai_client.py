@@ -180,3 +180,35 @@ def test_chat_content_parts_and_fallback_template(server, client):
         assert server.engine.tokenizer.decode(serving.chat_prompt(request)) == "user: hi\nassistant:"
     finally:
         serving.tokenizer.chat_template = template
+
+
+def test_penalties_bias_and_bad_words_through_the_client(client):
+    """The built-in model repeats itself after this prompt ("the list of the list of ..."):
+    each of the client's knobs changes that, and bad_words takes the word out."""
+    prompt = "def add(a, b):"
+    greedy = dict(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0)
+    plain = client.completions.create(**greedy).choices[0].text
+    assert plain.count("list") >= 2
+    for knobs in (dict(frequency_penalty=2.0), dict(presence_penalty=2.0),
+                  dict(extra_body={"repetition_penalty": 2.0})):
+        assert client.completions.create(**greedy, **knobs).choices[0].text != plain, knobs
+    banned = client.completions.create(**greedy, extra_body={"bad_words": ["list"]}).choices[0].text
+    assert "list" not in banned
+    # a bias of -100 on the first token it wrote takes that token away
+    first = client.completions.create(**{**greedy, "max_tokens": 1}, logprobs=1).choices[0].logprobs.tokens[0]
+    biased = client.completions.create(**{**greedy, "max_tokens": 1}, logprobs=1,
+                                       logit_bias={str(_token_id(first)): -100})
+    assert biased.choices[0].logprobs.tokens[0] != first
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=8, temperature=0, frequency_penalty=1.0, presence_penalty=0.5,
+                                          logit_bias={"5": -100})
+    assert chat.choices[0].finish_reason == "length"
+
+
+def _token_id(token_text: str) -> int:
+    from tokenmill.config import DEFAULT_MODEL_DIR
+    from tokenmill.engine.detokenizer import load_tokenizer
+
+    ids = load_tokenizer(DEFAULT_MODEL_DIR).encode(token_text, add_special_tokens=False)
+    assert len(ids) == 1
+    return ids[0]

@@ -27,10 +27,11 @@ class ThroughputResult:
 
 
 def run_throughput(llm: LLM, requests: list[BenchRequest], use_tqdm: bool = True,
-                   temperature: float = 0.0) -> ThroughputResult:
+                   temperature: float = 0.0, **sampling) -> ThroughputResult:
+    """sampling: more SamplingParams for every request (penalties, logit_bias, ...)."""
     prompts = [{"prompt_token_ids": r.prompt} for r in requests]
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, detokenize=True)
-              for r in requests]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, detokenize=True,
+                             **sampling) for r in requests]
     engine = llm.engine
     steps0, preempt0 = engine.total_steps, engine.scheduler.num_preemptions
     start = time.perf_counter()

@@ -22,7 +22,7 @@ from tokenmill.engine.request import (CompletionOutput, Request, RequestMetrics,
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.loader import choose_device, choose_dtype, resolve_model_path
 from tokenmill.executor.model_runner import ModelRunner
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("tokenmill")
 
@@ -84,39 +84,57 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
                      priority: int = 0, arrival_time: float | None = None) -> tuple[Request, str | None]:
-        """Validates a prompt against the model and the cache; raises ValueError naming the limit."""
+        """Validates a prompt against the model and the cache; raises ParamError naming the limit."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise ParamError("sampling_params",
+                             f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
         else:
             text, token_ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {vocab})")
+                raise ParamError("prompt_token_ids", f"prompt_token_ids: {bad[0]!r} is outside the vocabulary "
+                                 f"[0, {vocab})")
         if not token_ids:
-            raise ValueError("prompt: must not be empty (it has 0 tokens)")
-        bad_stop = [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]
+            raise ParamError("prompt", "prompt: must not be empty (it has 0 tokens)")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
-            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+            raise ParamError("stop_token_ids", f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {vocab})")
+        bad_bias = [t for t in params.logit_bias or () if t >= vocab]
+        if bad_bias:
+            raise ParamError("logit_bias", f"logit_bias: token {bad_bias[0]} is outside the vocabulary [0, {vocab})")
         n = len(token_ids)
         room = self.max_model_len - n
         if room < 1:
-            raise ValueError(f"prompt: {n} tokens leaves no room to generate within max_model_len "
+            raise ParamError("prompt", f"prompt: {n} tokens leaves no room to generate within max_model_len "
                              f"{self.max_model_len} (the prompt must be at most {self.max_model_len - 1} tokens)")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
-            raise ValueError(f"max_tokens: {max_tokens} is too large: the prompt has {n} tokens and "
+            raise ParamError("max_tokens", f"max_tokens: {max_tokens} is too large: the prompt has {n} tokens and "
                              f"max_model_len is {self.max_model_len}, so at most {room} tokens can be generated")
         if n + max_tokens > self.kv_capacity_tokens:
-            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({max_tokens}) exceeds the KV cache "
-                             f"capacity of {self.kv_capacity_tokens} tokens; raise kv_cache_memory")
+            raise ParamError("max_tokens", f"max_tokens: prompt ({n}) + max_tokens ({max_tokens}) exceeds the KV "
+                             f"cache capacity of {self.kv_capacity_tokens} tokens; raise kv_cache_memory")
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         rid = request_id if request_id is not None else str(next(self._ids))
-        return Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time), text
+        request = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time)
+        if params.bad_words:
+            request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        return request, text
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the token sequences it may be generated as: on its own and after a
+        space (vLLM's rule); a word may not be split in some other way, as in vLLM."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def add_request(self, request: Request, prompt: str | None = None, final_only: bool = False) -> None:
         """Queues a request. With final_only, step() returns its output once, when it
@@ -144,6 +162,7 @@ class Engine:
 
     def _end(self, request_id: str, status: RequestStatus, error: str | None) -> RequestOutput | None:
         self.scheduler.finish_request(request_id, status)
+        self.runner.release(request_id)
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
@@ -167,6 +186,8 @@ class Engine:
         for request in changed:
             tracked = self._tracked.get(request.request_id)
             if tracked is None:
+                if request.is_finished:
+                    self.runner.release(request.request_id)
                 continue
             try:
                 if tracked.final_only and not request.is_finished:
@@ -184,6 +205,7 @@ class Engine:
                 outputs.append(self._snapshot(tracked, "", []))
             if request.is_finished:
                 self._tracked.pop(request.request_id, None)
+                self.runner.release(request.request_id)
         return outputs
 
     def _detokenize(self, tracked: _Tracked) -> None:

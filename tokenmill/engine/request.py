@@ -47,7 +47,7 @@ class Request:
                  "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "status", "stop_reason", "error", "logprobs", "max_tokens", "eos_token_ids",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
-                 "last_token_time")
+                 "last_token_time", "bad_words_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
@@ -72,6 +72,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        self.bad_words_token_ids: list[list[int]] = []  # SamplingParams.bad_words, tokenized by the engine
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.cuda_graphs import CudaGraphRunner
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.memory import num_kv_blocks
+from tokenmill.executor.penalties import PenaltyState
 from tokenmill.executor.sampler import Sampler, SamplingBatch
 from tokenmill.executor.staging import Staging
 
@@ -53,6 +54,7 @@ class ModelRunner:
         self.load_time = time.perf_counter() - t0
         self.staging = Staging(device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed), device, kernels)
+        self.penalties = PenaltyState(model_config.vocab_size, device, self.staging.to_device)
         self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
         self.attn = self.make_backend(self.kv_cache)
@@ -69,6 +71,10 @@ class ModelRunner:
     def make_backend(self, kv_cache: torch.Tensor):
         kwargs = {"num_heads": self.model_config.num_heads} if self.backend_cls.name == "triton" else {}
         return self.backend_cls(kv_cache, self.block_size, to_device=self.staging.to_device, **kwargs)
+
+    def release(self, request_id: str) -> None:
+        """A request finished or was aborted: what the runner kept for it goes."""
+        self.penalties.release(request_id)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[tuple[int, TokenLogprobs | None]]:
@@ -113,6 +119,8 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         temps, top_k, top_p, min_p, seeds, unseeded, num_logprobs = [], [], [], [], [], [], []
         banned_rows, banned_ids = [], []
+        bias_rows, bias_ids, bias_values = [], [], []
+        penalty_rows, penalty_requests = [], []
         use_k = use_p = use_min_p = False
         for row, r in enumerate(requests):
             sp = r.sampling_params
@@ -134,6 +142,17 @@ class ModelRunner:
                 stops = set(r.eos_token_ids) | set(sp.stop_token_ids)
                 banned_rows.extend([row] * len(stops))
                 banned_ids.extend(stops)
+            if r.bad_words_token_ids:
+                bad = _bad_word_ends(r)
+                banned_rows.extend([row] * len(bad))
+                banned_ids.extend(bad)
+            if sp.logit_bias:
+                bias_rows.extend([row] * len(sp.logit_bias))
+                bias_ids.extend(sp.logit_bias)
+                bias_values.extend(sp.logit_bias.values())
+            if sp.has_penalties:
+                penalty_rows.append(row)
+                penalty_requests.append(r)
         all_greedy = all(t == 0.0 for t in temps)
         wanted = [n for n in num_logprobs if n is not None]
         put = self.staging.to_device
@@ -147,6 +166,21 @@ class ModelRunner:
             unseeded_rows=put(np.array(unseeded, dtype=np.int64)) if unseeded and not all_greedy else None,
             banned=(put(np.array(banned_rows, dtype=np.int64)), put(np.array(banned_ids, dtype=np.int64)))
             if banned_rows else None,
+            bias=(put(np.array(bias_rows, dtype=np.int64)), put(np.array(bias_ids, dtype=np.int64)),
+                  put(np.array(bias_values, dtype=np.float32))) if bias_rows else None,
+            penalties=self.penalties.batch(penalty_rows, penalty_requests, len(requests)) if penalty_rows else None,
             num_logprobs=num_logprobs,
             max_logprobs=max(wanted) if wanted else -1,
         )
+
+
+def _bad_word_ends(request: Request) -> list[int]:
+    """The tokens that would complete one of the request's bad words now: a one-token word
+    always, a longer one when the output ends with all of it but its last token."""
+    out = []
+    num_output = request.num_output_tokens
+    for seq in request.bad_words_token_ids:
+        k = len(seq) - 1
+        if k == 0 or (num_output >= k and request.all_token_ids[-k:] == seq[:-1]):
+            out.append(seq[-1])
+    return out

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
+banned tokens, logit bias and penalties (executor/penalties.py).
 
 One pass over the [N, vocab] logits for the whole batch; per-request settings
 arrive as small tensors built once per step. Greedy rows take the argmax (on the
@@ -19,6 +20,7 @@ from types import ModuleType
 import torch
 
 from tokenmill.engine.request import TokenLogprobs
+from tokenmill.executor.penalties import PenaltyBatch, apply_bias, apply_penalties
 
 
 @dataclass(slots=True)
@@ -32,9 +34,11 @@ class SamplingBatch:
     all_greedy: bool
     seeds: list[tuple[int, int]]  # (row, seed for this position) of seeded rows
     unseeded_rows: torch.Tensor | None  # rows drawing from the engine's generator
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked out (min_tokens)
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked out (min_tokens, bad words)
     num_logprobs: list[int | None]  # per row
     max_logprobs: int  # -1 when no row wants logprobs
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values): logit_bias
+    penalties: PenaltyBatch | None = None  # rows with presence / frequency / repetition penalties
 
 
 class Sampler:
@@ -48,14 +52,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [N, vocab] in the model's dtype. Returns (token id, logprobs or None) per row."""
-        if batch.max_logprobs >= 0 or not batch.all_greedy:
+        if batch.max_logprobs >= 0 or not batch.all_greedy or batch.bias is not None or batch.penalties is not None:
             logits = logits.float()  # greedy alone needs no widening: bf16 -> f32 keeps the order
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         if batch.banned is not None:
             # the value as a device tensor: a Python scalar would be copied over, blocking
             logits.index_put_(batch.banned, torch.full(batch.banned[0].shape, float("-inf"), dtype=logits.dtype,
                                                        device=logits.device))
+        if batch.bias is not None:
+            apply_bias(logits, batch.bias)
+        if batch.penalties is not None:
+            apply_penalties(logits, batch.penalties)
         ids = self._argmax(logits) if batch.all_greedy else self._sample(logits, batch)
+        if batch.penalties is not None:
+            batch.penalties.state.record(batch.penalties, ids)
         if raw_logprobs is None:
             return [(t, None) for t in self._to_host(ids)[0].tolist()]  # the one host sync of the step
         return self._with_logprobs(ids, raw_logprobs, batch)

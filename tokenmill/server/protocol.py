@@ -4,7 +4,8 @@ Requests are validated strictly (a string is not a number) and extra fields that
 OpenAI clients send (`user`, `metadata`, ...) are ignored. Fields that would
 change the output but are not implemented are rejected with a 400, not ignored.
 Extensions follow vLLM's names: `top_k`, `min_p`, `ignore_eos`, `min_tokens`,
-`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`.
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
+`repetition_penalty`, `bad_words`.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ class _SamplingRequest(_Strict):
     min_tokens: int = Field(0, ge=0, description="extension")
     skip_special_tokens: bool = Field(True, description="extension")
     include_stop_str_in_output: bool = Field(False, description="extension")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, description="extension (vLLM); 1: off")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    bad_words: list[str] | None = Field(None, description="extension (vLLM): words never generated")
     user: str | None = None
 
 

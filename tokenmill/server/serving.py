@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -18,9 +17,6 @@ from tokenmill.engine.request import Request, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import APIError, _SamplingRequest
 
-_PARAM = re.compile(r"^(\w+)(?:\[\d+\])?(?::|\s)")
-_ENGINE_PARAMS = {"prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                  "stop", "stop_token_ids", "min_tokens", "logprobs", "n"}
 
 
 @dataclass(slots=True)
@@ -51,11 +47,13 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name}: only 0 is supported", param=name)
+        bias = None
         if req.logit_bias:
-            raise APIError(400, "logit_bias: not supported", param="logit_bias")
+            try:
+                bias = {int(token): value for token, value in req.logit_bias.items()}
+            except ValueError as e:
+                raise APIError(400, f"logit_bias: keys must be token ids, got {list(req.logit_bias)[:4]}",
+                               param="logit_bias") from e
         defaults = SamplingParams()
         try:
             return SamplingParams(
@@ -66,7 +64,10 @@ class OpenAIServing:
                 min_p=defaults.min_p if req.min_p is None else req.min_p,
                 ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=bias, bad_words=req.bad_words)
         except ValueError as e:
             raise bad_request(e) from e
 
@@ -170,10 +171,10 @@ def with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 def bad_request(e: ValueError, prompt_param: str = "prompt", index: int | None = None) -> APIError:
-    """A ValueError from SamplingParams or the engine as a 400 naming its parameter."""
+    """A ValueError from SamplingParams or the engine as a 400 naming its parameter (a
+    ParamError carries it in `.param`)."""
     message = str(e)
-    m = _PARAM.match(message)
-    param = m.group(1) if m and m.group(1) in _ENGINE_PARAMS else None
+    param = getattr(e, "param", None)
     if param in ("prompt", "prompt_token_ids"):
         param = prompt_param if index is None else f"{prompt_param}[{index}]"
         if index is not None:

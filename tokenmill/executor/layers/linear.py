@@ -40,7 +40,10 @@ class Linear(nn.Module):
         w = self.weight
         if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16) \
                 and torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+            except RuntimeError:  # no 16-bit path in oneDNN on this CPU (no AVX-512 or AVX-NE-CONVERT)
+                return
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
