@@ -10,6 +10,8 @@ $(BIN)/tokenmill: pyproject.toml
 	@# torch first, pinned: any other version would pull the multi-GB CUDA build
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
+	@# the CPU kernels are compiled here, once, not on the first request
+	$(BIN)/python -W ignore::RuntimeWarning -m tokenmill.executor.cpu_kernels
 	touch $@
 
 install: $(BIN)/tokenmill

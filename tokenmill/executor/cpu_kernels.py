@@ -93,3 +93,8 @@ def _build_digest(ldflags: list[str]) -> str:
     for f in _SOURCES + _HEADERS:
         h.update((_SRC / f).read_bytes())
     return h.hexdigest()[:16]
+
+
+if __name__ == "__main__":  # `python -m tokenmill.executor.cpu_kernels`: build now (make install does)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load_cpu_kernels()  # without a compiler it says so; the engine then runs the torch path

@@ -71,7 +71,7 @@ class Sampler:
         return self._with_logprobs(ids, raw_logprobs, batch)
 
     def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """All of them on the host after one wait: non-blocking copies, then one stream sync."""
+        """All of them on the host after one wait: non-blocking copies, then one event."""
         if not self.cuda:
             return list(tensors)
         out = [t.to("cpu", non_blocking=True) for t in tensors]
