@@ -202,16 +202,17 @@ def _serve(args: argparse.Namespace) -> int:
                  log_level=args.log_level.lower(), access_log=not args.disable_access_log)
 
 
-def _logit_bias(value: str | None) -> dict[int, float] | None:
+def _logit_bias(value: str | None) -> dict | None:
+    """The JSON object as it is: SamplingParams checks its keys and values."""
     if value is None:
         return None
     try:
         out = json.loads(value)
-        if isinstance(out, dict) and all(str(k).lstrip("-").isdigit() for k in out):
-            return {int(k): v for k, v in out.items()}
     except json.JSONDecodeError:
-        pass
-    raise ValueError(f"--logit-bias: expected a JSON object of token id -> number, got {value!r}")
+        out = None
+    if not isinstance(out, dict):
+        raise ValueError(f"--logit-bias: expected a JSON object of token id -> number, got {value!r}")
+    return out
 
 
 def _generate(args: argparse.Namespace) -> int:

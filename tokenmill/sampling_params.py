@@ -45,7 +45,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: -= penalty where a token was generated before
     frequency_penalty: float = 0.0  # OpenAI: -= penalty x times the token was generated
     repetition_penalty: float = 1.0  # HF/vLLM: tokens in the prompt or output, / p if > 0 else x p
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, -100..100
+    logit_bias: dict[int, float] | None = None  # token id (int, or digits as JSON has them) -> added, -100..100
     bad_words: list[str] | None = None  # never generated (as any of their tokenizations)
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -92,6 +92,8 @@ class SamplingParams:
         if self.logit_bias:
             bias = {}
             for token, value in dict(self.logit_bias).items():
+                if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                    token = int(token)  # JSON object keys are strings (OpenAI's logit_bias)
                 if not _is_int(token) or token < 0:
                     raise ParamError("logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}")
                 if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:

@@ -26,7 +26,7 @@ DECODES = ([1] * 5, [1, 16, 17, 90, 250])
 
 def triton_backend(num_splits=None):
     def make(cache, block_size, heads):
-        return TritonBackend(cache, block_size, num_heads=heads, num_splits=num_splits)
+        return TritonBackend(cache, block_size, heads, num_splits=num_splits)
     return make
 
 
@@ -76,7 +76,7 @@ def test_long_chunk_after_prefix_hit(poisoned_outputs):
 def test_padding_tokens_are_not_written():
     """slot -1 (a CUDA-graph padding row) leaves the cache as it was."""
     cache = torch.zeros(1, 2, 64, 2, 16, device=DEVICE)
-    backend = TritonBackend(cache, 16, num_heads=2)
+    backend = TritonBackend(cache, 16, 2)
     k = torch.ones(3, 2, 16, device=DEVICE)
     slots = torch.tensor([5, -1, 7], device=DEVICE)
     triton_attention._write_kv[(3, 2)](k, k * 2, cache[0, 0], cache[0, 1], slots, k.stride(0), k.stride(1),

@@ -73,14 +73,14 @@ def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, 
 
 
 def torch_backend(cache, block_size, heads):
-    return TorchBackend(cache, block_size)
+    return TorchBackend(cache, block_size, heads)
 
 
 def cpu_backend(cache, block_size, heads):
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("CPU kernels could not be built here")
-    return CpuBackend(cache, block_size, kernels=kernels)
+    return CpuBackend(cache, block_size, heads, kernels=kernels)
 
 
 # decodes of varied lengths (some far shorter than the longest), a fresh prompt, a chunk after a prefix hit

@@ -146,3 +146,7 @@ def test_bad_values_name_their_parameter(params, param):
     with pytest.raises(ValueError) as e:
         SamplingParams(**params)
     assert e.value.param == param and param in str(e.value)
+
+
+def test_logit_bias_takes_token_ids_as_json_strings():
+    assert SamplingParams(logit_bias={"5": 2, 7: -1}).logit_bias == {5: 2.0, 7: -1.0}

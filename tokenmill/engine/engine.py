@@ -162,8 +162,7 @@ class Engine:
 
     def _end(self, request_id: str, status: RequestStatus, error: str | None) -> RequestOutput | None:
         self.scheduler.finish_request(request_id, status)
-        self.runner.release(request_id)
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self._forget(request_id)
         if tracked is None:
             return None
         tracked.request.error = error
@@ -187,7 +186,7 @@ class Engine:
             tracked = self._tracked.get(request.request_id)
             if tracked is None:
                 if request.is_finished:
-                    self.runner.release(request.request_id)
+                    self._forget(request.request_id)
                 continue
             try:
                 if tracked.final_only and not request.is_finished:
@@ -204,9 +203,13 @@ class Engine:
                 request.status, request.error = RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}"
                 outputs.append(self._snapshot(tracked, "", []))
             if request.is_finished:
-                self._tracked.pop(request.request_id, None)
-                self.runner.release(request.request_id)
+                self._forget(request.request_id)
         return outputs
+
+    def _forget(self, request_id: str) -> _Tracked | None:
+        """A finished request: the engine and the runner drop what they kept for it."""
+        self.runner.release(request_id)
+        return self._tracked.pop(request_id, None)
 
     def _detokenize(self, tracked: _Tracked) -> None:
         """Feeds the new output tokens to the detokenizer; a stop string ends the request."""

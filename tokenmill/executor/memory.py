@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.executor.attention import AttentionMetadata
+from tokenmill.executor.attention import AttentionMetadata, token_slots
 from tokenmill.executor.sampler import SamplingBatch
 
 if TYPE_CHECKING:
@@ -86,14 +86,12 @@ def profile_forward(runner: ModelRunner, max_tokens: int) -> None:
     query_lens[: max_tokens % num_seqs] += 1
     width = -(-int(query_lens.max()) // bs)
     block_table = np.arange(num_seqs * width, dtype=np.int32).reshape(num_seqs, width)
-    req = np.repeat(np.arange(num_seqs), query_lens)
-    positions = np.arange(len(req)) - (np.cumsum(query_lens) - query_lens)[req]
-    slots = block_table[req, positions // bs].astype(np.int64) * bs + positions % bs
+    positions, slots = token_slots(query_lens, np.zeros(num_seqs, dtype=np.int64), block_table, bs)
     backend = runner.make_backend(runner.allocate_kv_cache(num_seqs * width))
     put = runner.staging.to_device
     runner.staging.begin()
     backend.begin_step(AttentionMetadata.from_host(query_lens, query_lens.copy(), block_table, put(slots), bs, put))
-    hidden = runner.model(put(np.zeros(len(req), dtype=np.int64)), put(positions), backend)
+    hidden = runner.model(put(np.zeros(len(positions), dtype=np.int64)), put(positions), backend)
     rows = min(runner.config.max_num_seqs, len(hidden))
     logits = runner.model.compute_logits(hidden[:rows])
     n = len(logits)

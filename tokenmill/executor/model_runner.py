@@ -20,7 +20,7 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, TokenLogprobs
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.attention import AttentionMetadata, select_attention_backend
+from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.cuda_graphs import CudaGraphRunner
 from tokenmill.executor.loader import load_model
@@ -69,8 +69,7 @@ class ModelRunner:
                            dtype=self.dtype, device=self.device)
 
     def make_backend(self, kv_cache: torch.Tensor):
-        kwargs = {"num_heads": self.model_config.num_heads} if self.backend_cls.name == "triton" else {}
-        return self.backend_cls(kv_cache, self.block_size, to_device=self.staging.to_device, **kwargs)
+        return self.backend_cls(kv_cache, self.block_size, self.model_config.num_heads, self.staging.to_device)
 
     def release(self, request_id: str) -> None:
         """A request finished or was aborted: what the runner kept for it goes."""
@@ -88,14 +87,11 @@ class ModelRunner:
         block_table = np.zeros((len(query_lens), max(len(b) for b in out.block_tables)), dtype=np.int32)
         for i, blocks in enumerate(out.block_tables):
             block_table[i, :len(blocks)] = blocks
-        # token t of the step belongs to request req[t] and sits at position positions[t]
-        ends = np.cumsum(query_lens)
-        req = np.repeat(np.arange(len(query_lens)), query_lens)
-        positions = computed[req] + np.arange(len(req)) - (ends - query_lens)[req]
-        slot_mapping = block_table[req, positions // bs].astype(np.int64) * bs + positions % bs
+        positions, slot_mapping = token_slots(query_lens, computed, block_table, bs)
         seq_lens = (computed + query_lens).astype(np.int32)
-        sampling = [r for i, r in enumerate(out.requests) if out.samples(i)]
-        logits_rows = np.array([ends[i] - 1 for i in range(len(out.requests)) if out.samples(i)], dtype=np.int64)
+        sampling_rows = [i for i in range(len(out.requests)) if out.samples(i)]
+        sampling = [out.requests[i] for i in sampling_rows]
+        logits_rows = np.cumsum(query_lens, dtype=np.int64)[sampling_rows] - 1  # each one's last token
 
         self.staging.begin()
         if self.graphs is not None and self.graphs.can_run(query_lens):

@@ -1,10 +1,10 @@
 """Presence, frequency and repetition penalties and logit bias, applied to a batch's logits at once.
 
 The counts behind the penalties are kept incrementally, on the device: a request
-with penalties owns a row of `counts` ([rows, vocab] int32, how often each token was
-generated, float32 so that it enters the arithmetic as it is) and of `in_prompt` ([rows, vocab] bool). The row is filled once, when the
-request first samples, and each step adds the sampled ids with one scatter, before
-the step's host sync. A preempted request keeps its row (recompute keeps its
+with penalties owns a row of `counts` ([rows, vocab], how often each token was
+generated; float32, so that it enters the arithmetic as it is) and of `in_prompt`
+([rows, vocab] bool). The row is filled once, when the request first samples, and
+each step adds the sampled ids with one scatter, before the step's host sync. A preempted request keeps its row (recompute keeps its
 output); a finished one gives it back. Rows grow by doubling.
 
 Definitions (vLLM's, OpenAI's for the first two):
@@ -107,12 +107,13 @@ def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> None:
     rows = batch.batch_rows
     sub = logits if batch.all_rows else logits.index_select(0, rows)
     counts = batch.state.counts.index_select(0, batch.state_rows)
+    generated = counts > 0
     if batch.use_repetition:
-        seen = (counts > 0) | batch.state.in_prompt.index_select(0, batch.state_rows)
+        seen = generated | batch.state.in_prompt.index_select(0, batch.state_rows)
         rep = batch.repetition.unsqueeze(1)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)  # HF's arithmetic, exactly
     if batch.use_counts:
-        sub = sub - batch.frequency.unsqueeze(1) * counts - batch.presence.unsqueeze(1) * (counts > 0)
+        sub = sub - batch.frequency.unsqueeze(1) * counts - batch.presence.unsqueeze(1) * generated
     if batch.all_rows:
         logits.copy_(sub)
     else:

@@ -47,13 +47,6 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        bias = None
-        if req.logit_bias:
-            try:
-                bias = {int(token): value for token, value in req.logit_bias.items()}
-            except ValueError as e:
-                raise APIError(400, f"logit_bias: keys must be token ids, got {list(req.logit_bias)[:4]}",
-                               param="logit_bias") from e
         defaults = SamplingParams()
         try:
             return SamplingParams(
@@ -67,7 +60,7 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=bias, bad_words=req.bad_words)
+                logit_bias=req.logit_bias, bad_words=req.bad_words)
         except ValueError as e:
             raise bad_request(e) from e
 

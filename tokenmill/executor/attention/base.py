@@ -53,6 +53,17 @@ class AttentionMetadata:
                    query_start_loc, query_lens, seq_lens, block_table, block_size)
 
 
+def token_slots(query_lens: np.ndarray, num_computed: np.ndarray, block_table: np.ndarray,
+                block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and cache slots (int64) of a step's flattened tokens: request i's
+    query_lens[i] tokens sit at positions num_computed[i], num_computed[i] + 1, ..."""
+    req = np.repeat(np.arange(len(query_lens)), query_lens)  # the request of each token
+    first = (np.cumsum(query_lens) - query_lens)[req]  # its first token in the step
+    positions = num_computed.astype(np.int64)[req] + np.arange(len(req)) - first
+    slots = block_table[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return positions, slots
+
+
 class AttentionBackend(Protocol):
     """Owns the paged KV cache of every layer. `begin_step` is called once per step
     with that step's metadata; the model then calls the backend once per layer."""

@@ -39,9 +39,9 @@ class KernelChunks(NamedTuple):
 class CpuBackend(TorchBackend):
     name = "cpu"
 
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, to_device: ToDevice | None = None,
+    def __init__(self, kv_cache: torch.Tensor, block_size: int, num_heads: int, to_device: ToDevice | None = None,
                  kernels: ModuleType | None = None) -> None:
-        super().__init__(kv_cache, block_size, to_device)
+        super().__init__(kv_cache, block_size, num_heads, to_device)
         self.kernels = kernels or load_cpu_kernels()
         if self.kernels is None:
             raise ValueError("attention_backend='cpu' needs the native CPU kernels, which could not be built "

@@ -56,10 +56,12 @@ class TorchBackend:
     name = "torch"
     graph_safe = False  # its launches follow the contexts' lengths
 
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, to_device: ToDevice | None = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, block_size: int, num_heads: int,
+                 to_device: ToDevice | None = None) -> None:
         # kv_cache: [num_layers, 2, num_blocks * block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.num_heads = num_heads
         self.kv_heads, self.head_dim = kv_cache.shape[-2:]
         self.block_numel = block_size * self.kv_heads * self.head_dim
         self.to_device = to_device or default_to_device(kv_cache.device)
@@ -126,7 +128,7 @@ class TorchBackend:
     # -- per layer -------------------------------------------------------------
     def run_decode_groups(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor) -> None:
-        num_heads = q.shape[1]
+        num_heads = self.num_heads
         for group in self.plan.decode_groups:
             kd, vd = self._gather(k_cache, v_cache, group.blocks, group.length)
             b = len(group.tokens)
@@ -136,7 +138,7 @@ class TorchBackend:
 
     def run_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        num_heads = q.shape[1]
+        num_heads = self.num_heads
         for chunk in self.plan.chunks:
             # [1, heads, tokens, d]: with a batch dimension SDPA takes its flash kernel on the
             # CPU (GQA included), 2x faster than its math path at 200 tokens, 4x at 1024

@@ -232,12 +232,12 @@ class TritonBackend:
     name = "triton"
     graph_safe = True  # launches depend on the batch size only (executor/cuda_graphs.py)
 
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, to_device: ToDevice | None = None,
-                 num_heads: int | None = None, num_splits: int | None = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, block_size: int, num_heads: int, to_device: ToDevice | None = None,
+                 num_splits: int | None = None) -> None:
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks * block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.kv_heads, self.head_dim = kv_cache.shape[-2:]
-        self.num_heads = num_heads or self.kv_heads
+        self.num_heads = num_heads
         self.group = self.num_heads // self.kv_heads
         self.to_device = to_device or default_to_device(kv_cache.device)
         self.d_pad = max(16, _pow2(self.head_dim))
