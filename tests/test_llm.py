@@ -239,3 +239,28 @@ def test_final_only_requests_report_once_with_the_streamed_result(llm, stop):
     assert (final.token_ids, final.text, final.logprobs, final.finish_reason) == \
         (streamed.token_ids, streamed.text, streamed.logprobs, streamed.finish_reason)
     assert results[True][0].new_token_ids == final.token_ids and results[True][0].new_text == final.text
+
+
+def test_skip_tokenizer_init_serves_token_ids_without_tokenizer_files(checkpoints, tmp_path):
+    """A checkpoint with no tokenizer files: token-id prompts give the same tokens as with a
+    tokenizer; text, stop strings and bad words are refused by name."""
+    import shutil
+
+    src = checkpoints("llama")
+    for f in src.iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
+    bare = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", skip_tokenizer_init=True)
+    assert bare.tokenizer is None
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with_tok = LLM(str(src), dtype="float32", kv_cache_memory="16MiB")
+    expected = with_tok.generate(ids([5, 6, 7]), params, use_tqdm=False)[0].outputs[0].token_ids
+    out = bare.generate(ids([5, 6, 7]), params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected and out.text == ""
+    for prompt, sp, param in (("hello", params, "prompt"),
+                              ({"prompt_token_ids": [5]}, SamplingParams(stop=["x"]), "stop"),
+                              ({"prompt_token_ids": [5]}, SamplingParams(bad_words=["x"]), "bad_words")):
+        with pytest.raises(ValueError, match=f"{param}: .*skip_tokenizer_init"):
+            bare.generate(prompt, sp, use_tqdm=False)

@@ -15,6 +15,8 @@ from tokenmill.config import EngineConfig
 ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--model": ("model", dict(default=None, help="checkpoint directory or hub id (default: the built-in model)")),
     "--tokenizer": ("tokenizer", dict(default=None, help="tokenizer directory (default: the model's)")),
+    "--skip-tokenizer-init": ("skip_tokenizer_init", dict(
+        action="store_true", help="load no tokenizer: token-id prompts in, token ids out (completions only)")),
     "--dtype": ("dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                               help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")),
     "--load-format": ("load_format", dict(default="auto", choices=["auto", "safetensors", "dummy"],

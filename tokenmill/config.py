@@ -43,6 +43,7 @@ class EngineConfig:
 
     model: str | None = None  # local directory or hub id; None: the built-in default model
     tokenizer: str | None = None  # defaults to the model directory
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts and outputs are token ids only (vLLM's name)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json)
     device: str = "auto"  # auto | cpu | cuda

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGPROBS = 20  # top-N of logprobs and prompt_logprobs (vLLM's default max_logprobs)
 
 
 class ParamError(ValueError):
@@ -24,7 +25,9 @@ class SamplingParams:
 
     temperature 0 means greedy. `seed` makes sampling reproducible whatever else
     runs in the batch. `logprobs=N` returns the top-N logprobs (plus the sampled
-    token's) for every generated token.
+    token's) for every generated token; `prompt_logprobs=N` the same for every prompt
+    token after the first (computed in the prefill's forward; such a prompt skips the
+    prefix cache, whose hits would have no logits).
     """
 
     max_tokens: int | None = 16  # None: up to the model's context length
@@ -39,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-N logprobs (plus the prompt's own token) at every prompt position
     skip_special_tokens: bool = True
     detokenize: bool = True
     n: int = 1
@@ -67,8 +71,12 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ParamError("min_tokens",
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ParamError("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ParamError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ParamError("prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ParamError("n", f"n must be an integer >= 1, got {self.n!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

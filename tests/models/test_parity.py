@@ -159,3 +159,44 @@ def test_triton_backend_matches_transformers(name, engine_args, checkpoints, hf_
     assert [o.outputs[0].token_ids for o in again] == [t for t, _ in hf_reference(name)]
     assert any(o.metrics.num_cached_tokens > 0 for o in again)
     llm.engine.kv_cache.check_integrity()
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    dict(max_num_batched_tokens=7),  # every prompt's logprobs come in chunks of 7 positions
+    # 160 tokens of qwen3 KV (1 KiB each): preemption mid-prompt, recomputed and not duplicated
+    dict(block_size=4, kv_cache_memory=160 * 1024),
+], ids=["whole", "chunked-7", "preemption"])
+def test_prompt_logprobs_match_transformers(engine_args, checkpoints):
+    """prompt_logprobs equal HF's log-softmax of the prompt's own logits (float32), also for a
+    prompt whose blocks are in the prefix cache (it skips the cache) and in a batch mixed with
+    requests that do not ask."""
+    import transformers
+
+    path = checkpoints("qwen3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), **{"dtype": "float32", "kv_cache_memory": "32MiB", **engine_args})
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    asking = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], plain, use_tqdm=False)  # fills the prefix cache
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS] * 2, [asking, plain] * len(PROMPTS),
+                        use_tqdm=False)
+    for i, out in enumerate(outs):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:  # [asking, plain] alternate
+            assert out.prompt_logprobs is None
+            continue
+        assert out.metrics.num_cached_tokens == 0
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        lps = out.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        for pos in range(1, len(prompt)):
+            token = prompt[pos]
+            assert lps[pos][token] == pytest.approx(ref[pos - 1, token].item(), abs=1e-4), (i, pos)
+            top = ref[pos - 1].topk(3)
+            assert set(lps[pos]) == set(top.indices.tolist()) | {token}, (i, pos)
+    assert any(out.metrics.num_cached_tokens > 0 for out in outs[1::2])  # plain requests still hit the cache
+    if "block_size" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.kv_cache.check_integrity()

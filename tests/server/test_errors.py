@@ -41,7 +41,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, 400, "bad_words"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"-1": 1}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
@@ -170,3 +173,39 @@ def test_failed_step_fails_its_requests_not_the_server():
         assert srv.engine.engine.kv_cache.usage == 0.0
     finally:
         srv.stop()
+
+
+def test_skip_tokenizer_init_server_takes_and_returns_token_ids(server, tmp_path):
+    """A checkpoint without tokenizer files, served with --skip-tokenizer-init: token-id prompts
+    give the token ids the normal server gives; text and chat are 400s naming their parameter."""
+    import shutil
+
+    from tokenmill.executor.loader import resolve_model_path
+
+    for f in resolve_model_path(None).iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    bare = start_server(model=str(tmp_path), skip_tokenizer_init=True)
+    try:
+        body = {"prompt": [[5, 6, 7], [40, 41]], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1}
+        normal = post(f"{server.url}/v1/completions", {**body, "return_token_ids": True}).json()
+        r = post(f"{bare.url}/v1/completions", body)
+        assert r.status_code == 200, r.text
+        for ours, theirs in zip(r.json()["choices"], normal["choices"]):
+            assert ours["token_ids"] == theirs["token_ids"] and len(ours["token_ids"]) == 6
+            assert ours["text"] == "" and ours["logprobs"]["tokens"][0] == f"token_id:{ours['token_ids'][0]}"
+        streamed = []
+        with httpx.stream("POST", f"{bare.url}/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: "):])
+                    streamed += [(c["index"], t) for c in chunk["choices"] for t in c.get("token_ids", [])]
+        assert [t for i, t in streamed if i == 0] == r.json()["choices"][0]["token_ids"]
+        for path, bad, param in (("/v1/completions", {"prompt": "hello"}, "prompt"),
+                                 ("/v1/completions", {"prompt": [5], "stop": ["x"]}, "stop"),
+                                 ("/v1/chat/completions", {"messages": CHAT}, "messages")):
+            r = post(f"{bare.url}{path}", bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    finally:
+        bare.stop()

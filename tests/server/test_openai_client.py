@@ -212,3 +212,56 @@ def _token_id(token_text: str) -> int:
     ids = load_tokenizer(DEFAULT_MODEL_DIR).encode(token_text, add_special_tokens=False)
     assert len(ids) == 1
     return ids[0]
+
+
+@pytest.fixture(scope="module")
+def hf_builtin():
+    """The built-in model in transformers (float32), the reference for prompt logprobs."""
+    import torch
+    import transformers
+
+    from tokenmill.executor.loader import resolve_model_path
+
+    path = resolve_model_path(None)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs(server, client, hf_builtin):
+    """lm-eval's loglikelihood request: echo + logprobs + max_tokens 0 or 1 returns the prompt's
+    token logprobs (None for the first), equal to HF's in float32; streamed equals whole."""
+    import torch
+
+    prompt = "def fibonacci(n):\n    return"
+    ids = server.engine.tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_builtin(torch.tensor([ids])).logits[0].float(), -1)
+    for max_tokens in (0, 1):
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, echo=True,
+                                        logprobs=2, temperature=0)
+        choice, lp = out.choices[0], out.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for pos in range(1, len(ids)):
+            assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4)
+            assert 2 <= len(lp.top_logprobs[pos]) <= 3
+        assert lp.text_offset == sorted(lp.text_offset)
+        assert choice.text.startswith(prompt) and out.usage.completion_tokens == max_tokens
+        if max_tokens == 0:
+            assert choice.text == prompt and choice.finish_reason == "length"
+        else:  # the generated token comes after the prompt's, greedy: the most likely one
+            assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-4)
+    streamed = []
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=2,
+                                           temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+    # vLLM's prompt_logprobs extension, on both endpoints
+    ext = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    prompt_lps = ext.choices[0].prompt_logprobs  # an extra field: the client keeps it as a plain list
+    assert prompt_lps[0] is None and len(prompt_lps) == len(ids)
+    assert prompt_lps[1][str(ids[1])]["logprob"] == pytest.approx(ref[0, ids[1]].item(), abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and all(len(e) == 1 for e in chat.prompt_logprobs[1:])

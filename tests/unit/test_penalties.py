@@ -55,6 +55,17 @@ def test_penalties_match_their_definitions(rows, num_rows):
         torch.testing.assert_close(out[row], direct(logits[row], r))
 
 
+def test_a_tiny_repetition_penalty_keeps_probabilities_finite():
+    """5e-324 divides a positive logit to inf (a NaN distribution, and a token id past the
+    vocabulary, as the server's fuzz found): the token becomes the most likely one instead."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 0.5]])
+    r = request("a", [1], [2], repetition_penalty=5e-324)
+    state = PenaltyState(4, torch.device("cpu"), default_to_device(torch.device("cpu")))
+    apply_penalties(logits, state.batch([0], [r], 1))
+    probs = torch.softmax(logits, dim=-1)
+    assert torch.isfinite(probs).all() and probs.argmax().item() == 1
+
+
 def test_counts_are_kept_incrementally_and_rows_reused():
     state = PenaltyState(VOCAB, torch.device("cpu"), default_to_device(torch.device("cpu")))
     requests = [request(str(i), [i], [i + 1], frequency_penalty=1.0) for i in range(11)]  # grows past 8 rows

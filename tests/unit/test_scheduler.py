@@ -20,7 +20,7 @@ import pytest
 
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -52,7 +52,7 @@ class FakeRunner:
             fps.append(h)
         return fps
 
-    def execute(self, out: SchedulerOutput) -> list[tuple[int, None]]:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
         rows = list(zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens, out.block_tables))
         fps = {}
@@ -77,7 +77,7 @@ class FakeRunner:
                 tok = self.next_token_fn(req) if self.next_token_fn else next_token(req.all_token_ids, self.vocab)
                 sampled.append((tok, None))
         self.num_steps += 1
-        return sampled
+        return ModelRunnerOutput(sampled)
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0,

@@ -40,6 +40,15 @@ class _Tracked:
     final_only: bool = False
     num_sent_tokens: int = 0  # output tokens handed out in RequestOutputs
     num_decoded_tokens: int = 0  # output tokens fed to the detokenizer
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # as dicts, built once when complete
+
+
+def _check_without_tokenizer(params: SamplingParams) -> None:
+    """What needs text cannot run under skip_tokenizer_init: raises ParamError naming it."""
+    for name, needs_text in (("stop", params.stop_strings), ("bad_words", params.bad_words)):
+        if needs_text:
+            raise ParamError(name, f"{name}: needs a tokenizer, and this engine runs with skip_tokenizer_init "
+                             "(stop_token_ids work without one)")
 
 
 class Engine:
@@ -47,7 +56,8 @@ class Engine:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        # skip_tokenizer_init: token ids in and out, for a checkpoint without tokenizer files
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or self.model_path)
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
         if self.device.type == "cpu" and config.num_threads:
@@ -67,8 +77,9 @@ class Engine:
                                    policy=config.scheduler, scheduling_policy=config.scheduling_policy,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.kv_capacity_tokens = self.runner.num_blocks * config.block_size
-        self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())))
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None
+                                                                  else set())))
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.total_steps = 0
@@ -80,6 +91,9 @@ class Engine:
 
     # -- requests -------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ParamError("prompt", "prompt: text needs a tokenizer, and this engine runs with "
+                             "skip_tokenizer_init; pass token ids (prompt_token_ids)")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
@@ -121,6 +135,8 @@ class Engine:
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
         rid = request_id if request_id is not None else str(next(self._ids))
         request = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time)
+        if self.tokenizer is None:
+            _check_without_tokenizer(params)
         if params.bad_words:
             request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return request, text
@@ -141,7 +157,7 @@ class Engine:
         finishes (as vLLM's FINAL_ONLY): no per-step output objects for offline batches."""
         sp = request.sampling_params
         detok = None
-        if sp.detokenize:
+        if sp.detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self._decoder(sp.skip_special_tokens), request.prompt_token_ids,
                                            sp.stop_strings, sp.include_stop_str_in_output)
         self.scheduler.add_request(request)
@@ -248,10 +264,12 @@ class Engine:
             stop_reason=r.stop_reason,
             logprobs=logprobs,
         )
+        if tracked.prompt_logprobs is None and r.prompt_logprobs is not None and not r.needs_prompt_logprobs:
+            tracked.prompt_logprobs = [None if e is None else _logprob_dict(e) for e in r.prompt_logprobs]
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time,
                                  r.finish_time, max(r.num_cached_tokens, 0), r.num_preemptions)
         return RequestOutput(r.request_id, tracked.prompt, r.prompt_token_ids, [completion], r.is_finished,
-                             metrics, r.error, new_ids, new_text, new_logprobs)
+                             metrics, r.error, new_ids, new_text, new_logprobs, tracked.prompt_logprobs)
 
     def _decoder(self, skip_special_tokens: bool):
         backend = getattr(self.tokenizer, "backend_tokenizer", None)

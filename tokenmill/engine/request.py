@@ -47,7 +47,7 @@ class Request:
                  "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "status", "stop_reason", "error", "logprobs", "max_tokens", "eos_token_ids",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
-                 "last_token_time", "bad_words_token_ids")
+                 "last_token_time", "bad_words_token_ids", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
@@ -73,6 +73,9 @@ class Request:
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.bad_words_token_ids: list[list[int]] = []  # SamplingParams.bad_words, tokenized by the engine
+        # entry i: the logprobs of prompt token i given the ones before it (none for the first)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = \
+            [None] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +88,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some prompt logprobs are still to be computed (so the prefix cache is no use)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -141,3 +149,6 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[dict[int, float]] | None = None
+    # SamplingParams.prompt_logprobs: one dict per prompt token (None for the first), from the
+    # first output on
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -19,6 +19,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus, TokenLogprobs
@@ -47,6 +48,14 @@ class SchedulerOutput:
 
     def samples(self, i: int) -> bool:
         return self.sampling[i]
+
+
+class ModelRunnerOutput(NamedTuple):
+    """What one step computed: (token id, logprobs) for each request that samples, in order,
+    and the prompt logprobs computed this step, by request id, to append to each one's."""
+
+    sampled: list[tuple[int, TokenLogprobs | None]]
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
 class Scheduler:
@@ -147,7 +156,8 @@ class Scheduler:
                 self._batch_open = False
                 break
             request = self._peek_waiting()
-            hits, num_cached = self.kv.get_computed_blocks(request)
+            # cached blocks have no logits: a prompt that wants its logprobs is computed whole
+            hits, num_cached = ([], 0) if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if not self.enable_chunked_prefill and num_new > budget:
                 break  # whole prompts only: wait for a step with room
@@ -169,13 +179,15 @@ class Scheduler:
             self._batch_open = False
         return budget
 
-    def update(self, out: SchedulerOutput, sampled: list[tuple[int, TokenLogprobs | None]]) -> list[Request]:
-        """Appends the sampled tokens (one per sampling request, in order), applies
-        stop conditions and frees finished requests. Returns the requests that got a
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Appends the sampled tokens (one per sampling request, in order) and prompt logprobs,
+        applies stop conditions and frees finished requests. Returns the requests that got a
         token or finished this step."""
         changed = []
         now = time.time()
-        it = iter(sampled)
+        for request_id, entries in result.prompt_logprobs.items():
+            self.requests[request_id].prompt_logprobs.extend(entries)
+        it = iter(result.sampled)
         for i, request in enumerate(out.requests):
             if not out.samples(i):
                 continue

@@ -19,7 +19,7 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, TokenLogprobs
-from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.cuda_graphs import CudaGraphRunner
@@ -30,6 +30,8 @@ from tokenmill.executor.sampler import Sampler, SamplingBatch
 from tokenmill.executor.staging import Staging
 
 logger = logging.getLogger("tokenmill")
+
+PROMPT_LOGPROB_ROWS = 512  # prompt positions whose full-vocabulary logits exist at once
 
 
 class ModelRunner:
@@ -76,8 +78,8 @@ class ModelRunner:
         self.penalties.release(request_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[tuple[int, TokenLogprobs | None]]:
-        """Runs one step; returns (token id, logprobs) for each request that samples, in order."""
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step: the sampled tokens, and the prompt logprobs of the chunks that want them."""
         bs = self.block_size
         query_lens = np.array(out.num_scheduled_tokens, dtype=np.int32)
         computed = np.array(out.num_computed_tokens, dtype=np.int64)
@@ -102,14 +104,60 @@ class ModelRunner:
             md = AttentionMetadata.from_host(query_lens, seq_lens, block_table, put(slot_mapping), bs, put)
             self.attn.begin_step(md)
             hidden = self.model(put(np.array(input_ids, dtype=np.int64)), put(positions), self.attn)
+        prompt_logprobs = self._prompt_logprobs(out, hidden, query_lens)
         if not sampling:
             self.staging.end()
-            return []
+            return ModelRunnerOutput([], prompt_logprobs)
         if len(logits_rows) != len(hidden):
             hidden = hidden[self.staging.to_device(logits_rows)]
         batch = self._sampling_batch(sampling)
         self.staging.end()
-        return self.sampler(self.model.compute_logits(hidden), batch)
+        return ModelRunnerOutput(self.sampler(self.model.compute_logits(hidden), batch), prompt_logprobs)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
+                         query_lens: np.ndarray) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of the prompt tokens this step's chunks predict, for the requests that ask
+        (SamplingParams.prompt_logprobs): the row of position p gives those of token p + 1.
+        Such a step waits for the device once more than others."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[Request, int]] = []  # (request, number of its rows), in row order
+        row_start = 0
+        for request, start, n in zip(out.requests, out.num_computed_tokens, query_lens.tolist()):
+            if request.needs_prompt_logprobs:
+                # a recompute after preemption skips the positions already done
+                first = max(start, len(request.prompt_logprobs) - 1)
+                end = min(start + n, request.num_prompt_tokens - 1)
+                if first < end:
+                    rows.extend(range(row_start + first - start, row_start + end - start))
+                    targets.extend(request.all_token_ids[first + 1:end + 1])
+                    owners.append((request, end - first))
+            row_start += n
+        if not rows:
+            return {}
+        k = max(r.sampling_params.prompt_logprobs for r, _ in owners)
+        chosen, top_vals, top_ids = [], [], []
+        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = self.staging.to_device(np.array(rows[lo:lo + PROMPT_LOGPROB_ROWS], dtype=np.int64))
+            target = self.staging.to_device(np.array(targets[lo:lo + PROMPT_LOGPROB_ROWS], dtype=np.int64))
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[part]).float(), dim=-1)
+            chosen.append(logprobs.gather(1, target.unsqueeze(1)).squeeze(1))
+            if k > 0:
+                vals, ids = logprobs.topk(k, dim=-1)
+                top_vals.append(vals)
+                top_ids.append(ids)
+        host = self.sampler.to_host(torch.cat(chosen), *((torch.cat(top_vals), torch.cat(top_ids)) if k else ()))
+        chosen_list = host[0].tolist()
+        top_vals_list, top_ids_list = (host[1].tolist(), host[2].tolist()) if k else ([], [])
+        result: dict[str, list[TokenLogprobs]] = {}
+        i = 0
+        for request, count in owners:
+            n_top = request.sampling_params.prompt_logprobs
+            result[request.request_id] = [
+                (targets[j], chosen_list[j], list(zip(top_ids_list[j][:n_top], top_vals_list[j][:n_top])) if n_top
+                 else []) for j in range(i, i + count)]
+            i += count
+        return result
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         vocab = self.model_config.vocab_size

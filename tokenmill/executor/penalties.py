@@ -111,7 +111,10 @@ def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> None:
     if batch.use_repetition:
         seen = generated | batch.state.in_prompt.index_select(0, batch.state_rows)
         rep = batch.repetition.unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)  # HF's arithmetic, exactly
+        # HF's arithmetic, exactly; a tiny penalty (5e-324) would divide to inf, and inf to NaN
+        # probabilities: the largest float keeps the token the most likely one instead
+        divided = (sub / rep).clamp_(max=torch.finfo(sub.dtype).max)
+        sub = torch.where(seen, torch.where(sub > 0, divided, sub * rep), sub)
     if batch.use_counts:
         sub = sub - batch.frequency.unsqueeze(1) * counts - batch.presence.unsqueeze(1) * generated
     if batch.all_rows:

@@ -67,10 +67,10 @@ class Sampler:
         if batch.penalties is not None:
             batch.penalties.state.record(batch.penalties, ids)
         if raw_logprobs is None:
-            return [(t, None) for t in self._to_host(ids)[0].tolist()]  # the one host sync of the step
+            return [(t, None) for t in self.to_host(ids)[0].tolist()]  # the one host sync of the step
         return self._with_logprobs(ids, raw_logprobs, batch)
 
-    def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """All of them on the host after one wait: non-blocking copies, then one event."""
         if not self.cuda:
             return list(tensors)
@@ -119,7 +119,7 @@ class Sampler:
         k = batch.max_logprobs
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (chosen, ids)
         # ids, their logprobs and the top-k come back together: still one host sync
-        token_ids, chosen, top_vals, top_ids = (t.tolist() for t in self._to_host(ids, chosen, top_vals, top_ids))
+        token_ids, chosen, top_vals, top_ids = (t.tolist() for t in self.to_host(ids, chosen, top_vals, top_ids))
         out: list[tuple[int, TokenLogprobs | None]] = []
         for row, (token, n) in enumerate(zip(token_ids, batch.num_logprobs)):
             if n is None:

@@ -23,8 +23,16 @@ _RESERVED_TEMPLATE_ARGS = {"conversation", "tools", "documents", "chat_template"
 
 class ChatServing(OpenAIServing):
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[Choice]]:
+        if self.tokenizer is None:
+            raise APIError(400, "messages: chat needs a tokenizer (its template), and this server runs with "
+                           "--skip-tokenizer-init; use /v1/completions with token ids", param="messages")
         if req.tools:
             raise APIError(400, "tools: not supported", param="tools")
+        if req.echo:
+            raise APIError(400, "echo: not supported on chat completions (use /v1/completions)", param="echo")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs: returned in a whole chat answer only, not in a stream",
+                           param="prompt_logprobs")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         prompt_ids = self.chat_prompt(req)
@@ -73,7 +81,10 @@ class ChatServing(OpenAIServing):
             out_choices.append({"index": c.index, "message": {"role": "assistant", "content": comp.text},
                                 "logprobs": logprobs, "finish_reason": comp.finish_reason})
         envelope = Envelope(rid, "chat.completion", self.model_name(req.model))
-        return envelope.response(out_choices, usage(choices, finals, req.n))
+        response = envelope.response(out_choices, usage(choices, finals, req.n))
+        if req.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self.prompt_logprobs(finals[0], req.prompt_logprobs)
+        return response
 
     async def chat_stream(self, req: ChatCompletionRequest, rid: str, choices: list[Choice]) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage

@@ -5,7 +5,7 @@ OpenAI clients send (`user`, `metadata`, ...) are ignored. Fields that would
 change the output but are not implemented are rejected with a 400, not ignored.
 Extensions follow vLLM's names: `top_k`, `min_p`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
-`repetition_penalty`, `bad_words`.
+`repetition_penalty`, `bad_words`, `prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -74,17 +74,21 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, description="extension (vLLM); 1: off")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     bad_words: list[str] | None = Field(None, description="extension (vLLM): words never generated")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                        description="extension (vLLM): top-N logprobs of every prompt token")
     user: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a string, a list of strings, a list of token ids, or a list of those")
-    max_tokens: int | None = Field(16, ge=1, description="default 16, as OpenAI's")
+    max_tokens: int | None = Field(16, ge=0, description="default 16, as OpenAI's; 0 only with echo")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
     suffix: str | None = Field(None, description="not supported")
+    return_token_ids: bool = Field(False, description="extension (vLLM): prompt_token_ids and token_ids in each "
+                                   "choice; always on when the server has no tokenizer (--skip-tokenizer-init)")
 
 
 class TextPart(_Strict):
@@ -108,6 +112,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = Field(True, description="extension")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extension: passed to the template")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
+    echo: bool = Field(False, description="not supported on chat (completions only)")
 
 
 # -- responses (documented in /openapi.json; built as plain dicts on the hot path) ----------
@@ -122,6 +127,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    # extension (vLLM): per prompt token, None for the first, else {token id: {logprob, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
+    token_ids: list[int] | None = None  # extension (vLLM): with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -147,6 +156,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # extension (vLLM), as in completions
 
 
 class ModelCard(BaseModel):

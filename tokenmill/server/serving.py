@@ -46,7 +46,8 @@ class OpenAIServing:
                            f"{', '.join(self.model_names)}", param="model", code="model_not_found")
         return requested
 
-    def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         defaults = SamplingParams()
         try:
             return SamplingParams(
@@ -60,7 +61,8 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=req.logit_bias, bad_words=req.bad_words)
+                logit_bias=req.logit_bias, bad_words=req.bad_words,
+                prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
         except ValueError as e:
             raise bad_request(e) from e
 
@@ -127,9 +129,11 @@ class OpenAIServing:
                 yield index, out
 
     async def sse_stream(self, choices: list[Choice], envelope: Envelope, n: int,
-                         chunks: Callable[[int, RequestOutput], Iterable[str]]) -> AsyncIterator[str]:
+                         chunks: Callable[[int, RequestOutput], Iterable[str]],
+                         generated: bool = True) -> AsyncIterator[str]:
         """The SSE body of a streamed answer: `chunks(index, output)` for every delta, then an
-        error event if a choice failed, else the usage chunk (when asked for), then [DONE]."""
+        error event if a choice failed, else the usage chunk (when asked for), then [DONE].
+        `generated=False`: the answer leaves out the generated tokens (echo with max_tokens 0)."""
         finals: dict[int, RequestOutput] = {}
         try:
             async for index, out in self.deltas(choices, finals):
@@ -139,7 +143,7 @@ class OpenAIServing:
             yield error_event(e)
         else:
             if envelope.include_usage:
-                yield envelope.usage_chunk(usage(choices, [finals[c.index] for c in choices], n))
+                yield envelope.usage_chunk(usage(choices, [finals[c.index] for c in choices], n, generated))
         yield SSE_DONE
 
     async def final_outputs(self, choices: list[Choice]) -> list[RequestOutput]:
@@ -151,16 +155,36 @@ class OpenAIServing:
             raise APIError(500, str(e), type="server_error", code="generation_failed") from e
         return [finals[c.index] for c in choices]
 
+    def prompt_logprobs(self, out: RequestOutput, top_n: int) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` field: per prompt token (None for the first) the top-N and
+        the token itself, {token id: {"logprob", "decoded_token"}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if entry is None else {str(t): {"logprob": lp, "decoded_token": self.token_text(t)}
+                                            for t, lp in top_entries(entry, token, top_n)}
+                for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
     def token_text(self, token_id: int) -> str:
+        """A token as text; without a tokenizer (skip_tokenizer_init) "token_id:N", as vLLM's
+        return_tokens_as_token_ids writes it."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+            text = f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
         return text
 
 
 # -- helpers ------------------------------------------------------------------------------------
 def with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
+
+
+def top_entries(entry: dict[int, float], token: int, top_n: int) -> list[tuple[int, float]]:
+    """The top-N of a logprobs dict, most likely first, plus `token` where it is not among them."""
+    top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+    if token in entry and all(t != token for t, _ in top):
+        top.append((token, entry[token]))
+    return top
 
 
 def bad_request(e: ValueError, prompt_param: str = "prompt", index: int | None = None) -> APIError:
@@ -175,10 +199,11 @@ def bad_request(e: ValueError, prompt_param: str = "prompt", index: int | None =
     return APIError(400, message, param=param)
 
 
-def usage(choices: Sequence[Choice], finals: Sequence[RequestOutput], n: int) -> dict[str, int]:
+def usage(choices: Sequence[Choice], finals: Sequence[RequestOutput], n: int,
+          generated: bool = True) -> dict[str, int]:
     # a prompt counts once, however many samples it had
     prompt = sum(len(c.request.prompt_token_ids) for c in choices[::n])
-    completion = sum(len(out.outputs[0].token_ids) for out in finals)
+    completion = sum(len(out.outputs[0].token_ids) for out in finals) if generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
