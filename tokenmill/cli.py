@@ -8,7 +8,8 @@ import logging
 import sys
 from typing import Any
 
-from tokenmill.bench.workloads import WORKLOADS
+from tokenmill.bench.vllm_args import add_vllm_args, add_vllm_serve_args
+from tokenmill.bench.workloads import WORKLOAD_DEFAULTS, WORKLOADS
 from tokenmill.config import EngineConfig
 
 # flag -> (EngineConfig field, argparse kwargs); names follow `vllm serve` where the idea is the same
@@ -58,32 +59,42 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_online_bench_args(p: argparse.ArgumentParser) -> None:
-    """Flags of every online benchmark: the server, the workload, the arrival process, cost."""
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", required=True, help="the model name the server expects")
-    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
-                   help="/v1/completions or /v1/chat/completions (one user message)")
-    p.add_argument("--api-key", default=None)
+    """Flags of every online benchmark: the server, the workload, the arrival process, cost;
+    and `vllm bench serve`'s names for them (bench/vllm_args.py)."""
+    d = WORKLOAD_DEFAULTS
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (default http://--host:--port)")
+    p.add_argument("--model", default=None, help="the model name the server expects (default: the first one the "
+                                                 "server lists on /v1/models)")
+    p.add_argument("--endpoint", default=None,
+                   help="completions or chat (/v1/completions or /v1/chat/completions, one user message), or vLLM's "
+                        "form, the path itself (default: from --backend, else completions)")
+    p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
     p.add_argument("--tokenizer", default=None,
                    help="the server's tokenizer (directory or hub id; default: --model; 'none': do without): "
                         "prompts of exact lengths, and token counts when the server sends no usage")
-    p.add_argument("--workload", default="random", metavar="|".join(WORKLOADS),
+    p.add_argument("--workload", default=None, metavar="|".join(WORKLOADS),
                    help="random: random words of --input-len tokens; shared-prefix: --num-prefixes prefixes of "
                         "--prefix-len tokens, each request adds a random suffix of --input-len tokens; file:PATH: "
-                        "JSONL of {\"prompt\", \"output_len\" (optional)} or ShareGPT JSON")
+                        f"JSONL of {{\"prompt\", \"output_len\" (optional)}} or ShareGPT JSON (default "
+                        f"{d['workload']}; or vLLM's --dataset-name)")
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", default="32:256", help="N or MIN:MAX prompt tokens (suffix tokens for shared-prefix)")
-    p.add_argument("--output-len", default="32:256",
+    p.add_argument("--input-len", default=None, help="N or MIN:MAX prompt tokens (suffix tokens for shared-prefix; "
+                                                     f"default {d['input_len']})")
+    p.add_argument("--output-len", default=None,
                    help="N or MIN:MAX output tokens (max_tokens + ignore_eos); file workloads use the file's "
-                        "lengths where it has them")
-    p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: number of distinct prefixes")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per prefix")
+                        f"lengths where it has them (default {d['output_len']})")
+    p.add_argument("--num-prefixes", type=int, default=None,
+                   help=f"shared-prefix: number of distinct prefixes (default {d['num_prefixes']})")
+    p.add_argument("--prefix-len", type=int, default=None,
+                   help=f"shared-prefix: tokens per prefix (default {d['prefix_len']})")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
-    p.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the figures")
+    p.add_argument("--warmup", "--num-warmups", type=int, default=0,
+                   help="requests sent first and left out of the figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost-per-hour", type=float, default=None, help="price of one GPU (or machine) hour, dollars")
     p.add_argument("--num-gpus", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", "--disable-tqdm", action="store_true")
+    add_vllm_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     sv.add_argument("--slo", default=None, help="goodput objectives, e.g. ttft_ms=500,tpot_ms=50,e2e_ms=10000")
     sv.add_argument("--output-json", default=None)
-    sv.add_argument("--save-detailed", action="store_true", help="add per-request records to --output-json")
+    sv.add_argument("--save-detailed", action="store_true", help="add per-request records to the JSON result")
+    add_vllm_serve_args(sv)
 
     sw = bench_sub.add_parser("sweep", help="bench serve at several load levels: throughput-latency curve "
                                             "(PNG, CSV, JSON)")

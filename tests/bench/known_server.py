@@ -4,7 +4,8 @@ request, then one token every 10 ms, on /v1/completions and /v1/chat/completions
 Models: "known" as above; "no-usage" the same without the usage chunk; "shared" makes the
 token gap grow with load, 10 ms x max(1, streams in flight / 4), like a server of fixed
 capacity; "flood" sends every chunk in a write of its own without waiting, "burst" all
-of them in one write (both to measure the client); "broken" answers 500. Run: python known_server.py PORT
+of them in one write (both to measure the client); "eos" meets its end of sequence after
+3 tokens unless the request says `ignore_eos`; "broken" answers 500. Run: python known_server.py PORT
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 FIRST_TOKEN_S = 0.050
 TOKEN_GAP_S = 0.010
 SHARED_CAPACITY = 4
+EOS_AFTER = 3
 
 in_flight = 0
 
@@ -33,6 +35,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     global in_flight
     body = await request.json()
     model, n = body.get("model"), body["max_tokens"]
+    if model == "eos" and not body.get("ignore_eos"):
+        n = min(n, EOS_AFTER)
     if model == "broken":
         return web.json_response({"error": {"message": "broken on purpose", "type": "server_error", "param": None,
                                             "code": None}}, status=500)

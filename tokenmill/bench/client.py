@@ -49,11 +49,14 @@ class RequestRecord:
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
-def request_payload(model: str, request: BenchRequest, endpoint: str) -> dict:
-    """Greedy, exactly `output_len` tokens (max_tokens + ignore_eos, an extension that
-    vLLM, SGLang and tokenmill take), streamed with a final usage chunk."""
-    payload = {"model": model, "max_tokens": request.output_len, "temperature": 0.0, "ignore_eos": True,
+def request_payload(model: str, request: BenchRequest, endpoint: str, ignore_eos: bool = True) -> dict:
+    """Greedy, at most `output_len` tokens, exactly that many with `ignore_eos` (an extension
+    that vLLM, SGLang and tokenmill take, sent only when on, as vLLM sends it), streamed with
+    a final usage chunk."""
+    payload = {"model": model, "max_tokens": request.output_len, "temperature": 0.0,
                "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        payload["ignore_eos"] = True
     if endpoint == "chat":
         if not isinstance(request.prompt, str):
             raise ValueError("the chat endpoint needs text prompts, not token ids")
@@ -174,18 +177,19 @@ def count_tokens(records: Sequence[RequestRecord], requests: Sequence[BenchReque
 
 
 async def run_benchmark(base_url: str, model: str, requests: Sequence[BenchRequest], *, endpoint: str = "completions",
-                        request_rate: float = math.inf, burstiness: float = 1.0,
-                        max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
-                        warmup: Sequence[BenchRequest] = (),
+                        path: str | None = None, ignore_eos: bool = True, request_rate: float = math.inf,
+                        burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
+                        api_key: str | None = None, warmup: Sequence[BenchRequest] = (),
                         on_done: Callable[[RequestRecord], None] | None = None) -> tuple[list[RequestRecord], float]:
     """Sends the requests on a precomputed arrival schedule, at most `max_concurrency` in
     flight; returns the records (in request order) and the wall time from the first send
-    to the last answer. `warmup` requests go first, all at once (within the concurrency
-    limit), on the same connection pool, and are left out."""
-    url = base_url.rstrip("/") + ENDPOINTS[endpoint]
+    to the last answer. `endpoint` says which API the requests speak, `path` where they go
+    (default ENDPOINTS[endpoint]). `warmup` requests go first, all at once (within the
+    concurrency limit), on the same connection pool, and are left out."""
+    url = base_url.rstrip("/") + (path or ENDPOINTS[endpoint])
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
-    payloads = [request_payload(model, r, endpoint) for r in requests]
+    payloads = [request_payload(model, r, endpoint, ignore_eos) for r in requests]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
@@ -206,7 +210,8 @@ async def run_benchmark(base_url: str, model: str, requests: Sequence[BenchReque
             return record
 
         start = time.perf_counter()
-        await asyncio.gather(*(one(request_payload(model, r, endpoint), 0.0, measured=False) for r in warmup))
+        await asyncio.gather(*(one(request_payload(model, r, endpoint, ignore_eos), 0.0, measured=False)
+                               for r in warmup))
         start = time.perf_counter()
         records = await asyncio.gather(*(one(p, at) for p, at in zip(payloads, offsets)))
         return list(records), max(r.end for r in records) - start

@@ -17,10 +17,12 @@ import numpy as np
 
 from tokenmill.bench.client import RequestRecord
 
+METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 90, 99)
 # per-request objectives (goodput) and objectives on a run's statistics (bench sla)
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
-RUN_SLO_KEYS = tuple(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
+GOODPUT_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}  # vLLM's --goodput names
+RUN_SLO_KEYS = tuple(f"{stat}_{metric}_ms" for metric in METRICS
                      for stat in ("mean", "median", *(f"p{p}" for p in PERCENTILES)))
 
 
@@ -32,16 +34,61 @@ def parse_slo(text: str, keys: Sequence[str] = SLO_KEYS) -> dict[str, float]:
         key = key.strip()
         if not sep or key not in keys:
             raise ValueError(f"--slo: expected KEY=MILLISECONDS with KEY in {', '.join(keys)}, got {part!r}")
-        try:
-            ms = float(value)
-        except ValueError:
-            raise ValueError(f"--slo: {key} must be a number of milliseconds, got {value!r}") from None
-        if not ms > 0:
-            raise ValueError(f"--slo: {key} must be > 0, got {value!r}")
-        slo[key] = ms
+        slo[key] = _milliseconds("--slo", key, value)
     if not slo:
         raise ValueError(f"--slo: no objective given; expected KEY=MILLISECONDS,... with KEY in {', '.join(keys)}")
     return slo
+
+
+def parse_goodput(pairs: Sequence[str]) -> dict[str, float]:
+    """vLLM's --goodput: ['ttft:200', 'tpot:50'] -> {'ttft_ms': 200.0, 'tpot_ms': 50.0} (as --slo)."""
+    slo: dict[str, float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput: expected KEY:MILLISECONDS with KEY in {', '.join(GOODPUT_KEYS)}, "
+                             f"got {pair!r}")
+        slo[GOODPUT_KEYS[key]] = _milliseconds("--goodput", key, value)
+    return slo
+
+
+def _milliseconds(flag: str, key: str, value: str) -> float:
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ValueError(f"{flag}: {key} must be a number of milliseconds, got {value!r}") from None
+    if not ms > 0:
+        raise ValueError(f"{flag}: {key} must be > 0, got {value!r}")
+    return ms
+
+
+def parse_percentile_metrics(text: str | None) -> tuple[str, ...]:
+    """vLLM's --percentile-metrics: 'ttft,e2el' -> ('ttft', 'e2el'); None: all of METRICS."""
+    if text is None:
+        return METRICS
+    names = tuple(p.strip() for p in text.split(","))
+    if not all(name in METRICS for name in names):
+        raise ValueError(f"--percentile-metrics: expected a comma-separated list of {', '.join(METRICS)}, "
+                         f"got {text!r}")
+    return names
+
+
+def parse_percentiles(text: str | None) -> tuple[float, ...]:
+    """vLLM's --metric-percentiles: '50,99.9' -> (50.0, 99.9); None: PERCENTILES."""
+    if text is None:
+        return PERCENTILES
+    try:
+        values = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f"--metric-percentiles: expected comma-separated numbers, got {text!r}") from None
+    if not all(0 <= p <= 100 for p in values):
+        raise ValueError(f"--metric-percentiles: every percentile must be in [0, 100], got {text!r}")
+    return values
+
+
+def percentile_key(p: float, metric: str) -> str:
+    """vLLM's key: p99_ttft_ms, p99.9_ttft_ms."""
+    return f"p{int(p) if p == int(p) else p}_{metric}_ms"
 
 
 def request_latencies(r: RequestRecord) -> dict[str, float | None]:
@@ -57,6 +104,8 @@ def request_latencies(r: RequestRecord) -> dict[str, float | None]:
 
 def meets_slo(r: RequestRecord, slo: dict[str, float]) -> bool:
     lat = request_latencies(r)
+    if lat["tpot_ms"] is None:
+        lat["tpot_ms"] = 0.0  # one output token: no time per output token, as vLLM counts goodput
     return all(lat[key] is not None and lat[key] <= limit for key, limit in slo.items())  # type: ignore[operator]
 
 
@@ -75,8 +124,10 @@ def cost_figures(output_throughput: float, cost_per_hour: float, num_gpus: int =
 
 
 def summarize(records: Sequence[RequestRecord], duration: float, slo: dict[str, float] | None = None,
-              cost_per_hour: float | None = None, num_gpus: int = 1) -> dict[str, float | int]:
-    """The report of one run, with vLLM's key names (`mean_ttft_ms`, `p99_itl_ms`, ...)."""
+              cost_per_hour: float | None = None, num_gpus: int = 1, metrics: Sequence[str] = METRICS,
+              percentiles: Sequence[float] = PERCENTILES) -> dict[str, float | int]:
+    """The report of one run, with vLLM's key names (`mean_ttft_ms`, `p99_itl_ms`, ...): mean,
+    median, std and `percentiles` of each of `metrics`."""
     ok = [r for r in records if r.ok]
     input_tokens = sum(r.prompt_tokens or 0 for r in ok)
     output_tokens = sum(r.output_tokens or 0 for r in ok)
@@ -97,13 +148,13 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: dict[str, 
         "itl": [1000 * (b - a) for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])],
         "e2el": [x["e2e_ms"] for x in lats],
     }
-    for name, values in series.items():
-        arr = np.asarray(values, dtype=np.float64)
+    for name in metrics:
+        arr = np.asarray(series[name], dtype=np.float64)
         out[f"mean_{name}_ms"] = float(arr.mean()) if arr.size else 0.0
         out[f"median_{name}_ms"] = float(np.median(arr)) if arr.size else 0.0
         out[f"std_{name}_ms"] = float(arr.std()) if arr.size else 0.0
-        for p in PERCENTILES:
-            out[f"p{p}_{name}_ms"] = float(np.percentile(arr, p)) if arr.size else 0.0
+        for p in percentiles:
+            out[percentile_key(p, name)] = float(np.percentile(arr, p)) if arr.size else 0.0
     out["max_output_tokens_per_s"] = peak_output_throughput(ok)
     # how late requests left against the arrival schedule (with --max-concurrency this includes
     # the wait for a free slot, by design)

@@ -1,5 +1,6 @@
 """`tokenmill bench serve`: load an OpenAI-compatible server and report TTFT, TPOT, ITL,
-E2E, throughput, goodput and cost (definitions in bench/metrics.py).
+E2E, throughput, goodput and cost (definitions in bench/metrics.py). It takes
+`vllm bench serve`'s flags too (bench/vllm_args.py).
 
 The pieces here (checks, tokenizer, workload, one run) are shared with `bench sweep`
 and `bench sla` (bench/sweep.py).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import urllib.error
@@ -18,8 +20,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tokenmill.bench.client import RequestRecord, count_tokens, run_benchmark
-from tokenmill.bench.metrics import parse_slo, summarize
+from tokenmill.bench.metrics import (METRICS, PERCENTILES, parse_goodput, parse_percentile_metrics, parse_percentiles,
+                                     parse_slo, summarize)
 from tokenmill.bench.report import print_table, write_json
+from tokenmill.bench.vllm_args import resolve, result_path, vllm_header
 from tokenmill.bench.workloads import (
     WORKLOADS,
     BenchRequest,
@@ -60,7 +64,7 @@ def load_tokenizer(args: argparse.Namespace) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         if args.tokenizer:
             raise ValueError(f"--tokenizer: cannot load {name!r} ({type(e).__name__}: {e})") from None
@@ -84,8 +88,24 @@ def build_workload(args: argparse.Namespace, tokenizer: Any | None) -> tuple[lis
         note = (f"shared-prefix: {args.num_prefixes} prefixes of {args.prefix_len} tokens + suffixes of "
                 f"{args.input_len} tokens ({lengths}), output {args.output_len} tokens")
     else:
-        requests, note = file_requests(args.workload[len("file:"):], num, output_len, tokenizer, seed=args.seed)
+        path = args.workload[len("file:"):]
+        flag = f"--dataset-path {path}" if args.dataset_name else None
+        requests, note = file_requests(path, num, output_len, tokenizer, seed=args.seed,
+                                       fixed_output_len=args.sharegpt_output_len, flag=flag)
+    if not args.ignore_eos:
+        note += "; without ignore_eos, outputs may stop before their length"
     return requests, note
+
+
+def first_model(base_url: str, api_key: str | None) -> str:
+    """vLLM's default for --model: the first model the server lists."""
+    url = base_url.rstrip("/") + "/v1/models"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return json.load(resp)["data"][0]["id"]
+    except (OSError, ValueError, LookupError, TypeError) as e:
+        raise ValueError(f"--model not given, and {url} names no model ({type(e).__name__}: {e})") from None
 
 
 def check_server(base_url: str) -> None:
@@ -99,21 +119,24 @@ def check_server(base_url: str) -> None:
 
 
 def run_once(args: argparse.Namespace, requests: list[BenchRequest], tokenizer: Any | None, *, request_rate: float,
-             max_concurrency: int | None, slo: dict[str, float] | None = None,
-             desc: str = "bench serve") -> tuple[dict[str, Any], list[RequestRecord]]:
-    """One run of the workload (the first --warmup requests left out); the summary and the records."""
+             max_concurrency: int | None, slo: dict[str, float] | None = None, desc: str = "bench serve",
+             metrics: tuple[str, ...] = METRICS,
+             percentiles: tuple[float, ...] = PERCENTILES) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """One run of the workload (the first --warmup requests left out); the summary (with the
+    statistics of `metrics` at `percentiles`) and the records."""
     warmup, measured = requests[:args.warmup], requests[args.warmup:]
     bar = tqdm(total=len(measured), desc=desc, unit="req", disable=args.no_progress, dynamic_ncols=True)
     try:
         records, duration = asyncio.run(run_benchmark(
-            args.base_url, args.model, measured, endpoint=args.endpoint, request_rate=request_rate,
+            args.base_url, args.model, measured, endpoint=args.endpoint, path=args.endpoint_path,
+            ignore_eos=args.ignore_eos, request_rate=request_rate,
             burstiness=args.burstiness, seed=args.seed, api_key=args.api_key, max_concurrency=max_concurrency,
             warmup=warmup, on_done=lambda _: bar.update(1)))
     finally:
         bar.close()
     token_counts = count_tokens(records, measured, tokenizer)
     result: dict[str, Any] = summarize(records, duration, slo=slo, cost_per_hour=args.cost_per_hour,
-                                       num_gpus=args.num_gpus)
+                                       num_gpus=args.num_gpus, metrics=metrics, percentiles=percentiles)
     result["token_counts"] = token_counts
     failed = [r for r in records if not r.ok]
     if failed:
@@ -141,7 +164,10 @@ def print_result(title: str, result: dict[str, Any], workload: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> tuple[list[BenchRequest], str, Any | None]:
+    resolve(args)
     check_args(args)
+    if args.model is None:
+        args.model = first_model(args.base_url, args.api_key)
     tokenizer = load_tokenizer(args)
     requests, workload = build_workload(args, tokenizer)
     if args.endpoint == "chat" and tokenizer is not None:
@@ -155,13 +181,21 @@ def bench_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    slo = parse_slo(args.slo) if args.slo else None
+    if args.goodput and args.slo:
+        raise ValueError("--goodput and --slo both set the goodput objectives; give one")
+    if args.save_result and args.output_json:
+        raise ValueError("--save-result and --output-json both write the result; give one")
+    slo = parse_goodput(args.goodput) if args.goodput else parse_slo(args.slo) if args.slo else None
+    stats = {"metrics": parse_percentile_metrics(args.percentile_metrics),
+             "percentiles": parse_percentiles(args.metric_percentiles)}
     requests, workload, tokenizer = prepare(args)
     result, records = run_once(args, requests, tokenizer, request_rate=args.request_rate,
-                               max_concurrency=args.max_concurrency, slo=slo)
+                               max_concurrency=args.max_concurrency, slo=slo, **stats)
     print_result(f"tokenmill bench serve: {describe(args, args.request_rate, args.max_concurrency)}", result, workload)
-    if args.output_json:
-        write_json(args.output_json, {**result, "workload": workload, "config": config_json(args)},
+    header = vllm_header(args)
+    path = result_path(args, header["date"]) if args.save_result else args.output_json
+    if path:
+        write_json(path, {**header, **result, "workload": workload, "config": config_json(args)},
                    records if args.save_detailed else None)
-        print(f"wrote {os.path.abspath(args.output_json)}")
+        print(f"wrote {os.path.abspath(path)}")
     return 0 if result["completed"] else 1

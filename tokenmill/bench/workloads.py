@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("random", "shared-prefix", "file:PATH")
+# the workload flags' defaults, applied after vLLM's flags have had their say (bench/vllm_args.py)
+WORKLOAD_DEFAULTS = {"workload": "random", "input_len": "32:256", "output_len": "32:256", "num_prefixes": 4,
+                     "prefix_len": 512}
 
 # used only when the server's tokenizer cannot be loaded
 COMMON_WORDS = (
@@ -147,25 +150,29 @@ def shared_prefix_requests(num: int, num_prefixes: int, prefix_len: int, input_l
 
 
 def file_requests(path: str | Path, num: int, output_len: tuple[int, int], tokenizer: Any | None,
-                  seed: int = 0) -> tuple[list[BenchRequest], str]:
+                  seed: int = 0, fixed_output_len: int | None = None,
+                  flag: str | None = None) -> tuple[list[BenchRequest], str]:
     """The `file:PATH` workload: JSONL, one {"prompt": str, "output_len": int (optional)} per
     line, or ShareGPT JSON (a list of {"conversations": [{"from": "human", "value": ...},
     {"from": "gpt", "value": ...}, ...]}), whose first reply sets the output length when a
-    tokenizer is at hand. Prompts are shuffled with `seed`; a file with fewer prompts than
-    `num` is repeated. Returns the requests and a note on what was read."""
+    tokenizer is at hand, unless `fixed_output_len` (vLLM's --sharegpt-output-len) does.
+    Prompts are shuffled with `seed`; a file with fewer prompts than `num` is repeated.
+    Errors name `flag` (default `--workload file:PATH`). Returns the requests and a note on
+    what was read."""
     path = Path(path)
+    flag = flag or f"--workload file:{path}"
     try:
         text = path.read_text()
     except OSError as e:
-        raise ValueError(f"--workload file:{path}: cannot read it ({e.strerror})") from None
+        raise ValueError(f"{flag}: cannot read it ({e.strerror})") from None
     rng = random.Random(seed)
     count = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer else (lambda s: len(s.split()))
     if text.lstrip().startswith("["):
-        items, note = _sharegpt(path, text, count, tokenizer is not None), "ShareGPT"
+        items, note = _sharegpt(flag, text, count, tokenizer is not None, fixed_output_len), "ShareGPT"
     else:
-        items, note = _jsonl(path, text), "JSONL"
+        items, note = _jsonl(flag, text), "JSONL"
     if not items:
-        raise ValueError(f"--workload file:{path}: no usable prompt in the file")
+        raise ValueError(f"{flag}: no usable prompt in the file")
     rng.shuffle(items)
     note = f"{len(items)} prompts from {note} file {path.name}"
     if len(items) < num:
@@ -177,7 +184,7 @@ def file_requests(path: str | Path, num: int, output_len: tuple[int, int], token
     return requests, note
 
 
-def _jsonl(path: Path, text: str) -> list[tuple[str, int | None]]:
+def _jsonl(flag: str, text: str) -> list[tuple[str, int | None]]:
     items = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -185,23 +192,23 @@ def _jsonl(path: Path, text: str) -> list[tuple[str, int | None]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--workload file:{path}: line {lineno} is not JSON ({e.msg})") from None
+            raise ValueError(f"{flag}: line {lineno} is not JSON ({e.msg})") from None
         prompt = obj.get("prompt") if isinstance(obj, dict) else None
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"--workload file:{path}: line {lineno} has no \"prompt\" string")
+            raise ValueError(f"{flag}: line {lineno} has no \"prompt\" string")
         out_len = next((obj[k] for k in ("output_len", "output_tokens", "max_tokens") if k in obj), None)
         if out_len is not None and (not isinstance(out_len, int) or out_len < 1):
-            raise ValueError(f"--workload file:{path}: line {lineno}: the output length must be an integer >= 1, "
-                             f"got {out_len!r}")
+            raise ValueError(f"{flag}: line {lineno}: the output length must be an integer >= 1, got {out_len!r}")
         items.append((prompt, out_len))
     return items
 
 
-def _sharegpt(path: Path, text: str, count: Callable[[str], int], exact: bool) -> list[tuple[str, int | None]]:
+def _sharegpt(flag: str, text: str, count: Callable[[str], int], exact: bool,
+              fixed_output_len: int | None) -> list[tuple[str, int | None]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--workload file:{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        raise ValueError(f"{flag}: not valid JSON ({e.msg}, line {e.lineno})") from None
     items = []
     for entry in data:
         turns = (entry.get("conversations") or entry.get("conversation") or []) if isinstance(entry, dict) else []
@@ -210,9 +217,12 @@ def _sharegpt(path: Path, text: str, count: Callable[[str], int], exact: bool) -
         prompt, reply = (t.get("value", t.get("content")) for t in turns[:2])
         if not isinstance(prompt, str) or not isinstance(reply, str):
             continue
-        prompt_len, reply_len = count(prompt), count(reply)
-        # the filter of vLLM's ShareGPT sampler, so that figures compare
-        if prompt_len < 4 or reply_len < 4 or prompt_len > 1024 or prompt_len + reply_len > 2048:
+        prompt_len = count(prompt)
+        reply_len = count(reply) if fixed_output_len is None else fixed_output_len
+        # the filter of vLLM's ShareGPT sampler, so that figures compare (a fixed output
+        # length is exempt from the minimum, as there)
+        too_short = prompt_len < 4 or (fixed_output_len is None and reply_len < 4)
+        if too_short or prompt_len > 1024 or prompt_len + reply_len > 2048:
             continue
-        items.append((prompt, reply_len if exact else None))
+        items.append((prompt, reply_len if exact or fixed_output_len else None))
     return items
