@@ -1,6 +1,7 @@
 """CPU throughput benchmarks of the engine core, each a ratio measured in one run.
 
-    python benchmarks/cpu_throughput.py [--only hf,static,prefix,prompts,memory] [--output-json FILE]
+    python benchmarks/cpu_throughput.py [--only hf,static,prefix,prompts,memory,penalties,parallel]
+                                        [--output-json FILE]
 
 hf      tokenmill vs Hugging Face transformers `generate` with static batches (its best
         batch size), both bfloat16, on a 56M-parameter random Llama (hidden 512, 8 layers,
@@ -15,12 +16,18 @@ prompts prompt tokens/s of the native bf16 prefill attention kernel vs torch's S
 memory  resident memory over 5,000 requests through one engine: must stay flat.
 penalties  the hf workload with presence, frequency and repetition penalties and a logit bias
         on every request vs none, rounds in turn, the median ratio. Target: >= 0.95.
+parallel  n=4 on a 512-token prompt (1 and 16 output tokens each, sampled) vs the same
+        four sequences as four separate requests (seeds seed + i), with prefix caching off
+        (four prefills) and on (vLLM v1's way: the others hit the first one's blocks):
+        prompt tokens computed and time, rounds in turn, medians. Target: >= 2x faster than
+        four separate prefills.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import resource
@@ -176,6 +183,47 @@ def bench_penalties(path: Path, args) -> dict:
     return {"plain": plain, "penalised": penalised, "ratios": ratios, "ratio": ratio, "target": 0.95}
 
 
+def bench_parallel(path: Path, args) -> dict:
+    from tokenmill import SamplingParams
+
+    prompt = {"prompt_token_ids": [int(t) for t in torch.randint(16, SHAPE_56M["vocab_size"], (512,),
+                                                                  generator=torch.Generator().manual_seed(4))]}
+    out = {}
+    for caching, max_tokens in itertools.product((False, True), args.parallel_output_lens):
+        base = dict(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+        forked = SamplingParams(n=4, seed=11, **base)
+        separate = [SamplingParams(seed=11 + i, **base) for i in range(4)]
+        llm = LLM(str(path), enable_prefix_caching=caching)
+        engine = llm.engine
+        llm.generate(prompt, forked, use_tqdm=False)  # warm-up
+        times = {"n=4": [], "separate": []}
+        computed = {}
+        for _ in range(args.parallel_rounds):
+            for name in times:
+                if caching:
+                    engine.kv_cache.reset_prefix_cache()  # each round starts cold
+                before = engine.stats()["num_prompt_tokens_computed"]
+                t0 = time.perf_counter()
+                outs = llm.generate(prompt, forked, use_tqdm=False) if name == "n=4" else \
+                    llm.generate([prompt] * 4, separate, use_tqdm=False)
+                times[name].append(time.perf_counter() - t0)
+                computed[name] = engine.stats()["num_prompt_tokens_computed"] - before
+                tokens = [c.token_ids for o in outs for c in o.outputs]
+                out.setdefault(f"tokens_{name}", tokens)
+        assert out.pop("tokens_n=4") == out.pop("tokens_separate"), "n=4 and separate requests sampled differently"
+        fork_s, sep_s = statistics.median(times["n=4"]), statistics.median(times["separate"])
+        key = f"prefix_caching_{'on' if caching else 'off'}_output_{max_tokens}"
+        print(f"[parallel] n=4, 512-token prompt, {max_tokens} output tokens, prefix caching "
+              f"{'on' if caching else 'off'}: {fork_s:.2f}s and {computed['n=4']} prompt tokens computed vs four "
+              f"requests {sep_s:.2f}s and {computed['separate']}: {sep_s / fork_s:.2f}x (medians of "
+              f"{args.parallel_rounds}; target 2x with caching off)")
+        out[key] = {"times": times, "prompt_tokens_computed": computed, "ratio": sep_s / fork_s}
+        del llm
+        gc.collect()
+    out["target"] = 2.0
+    return out
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -201,7 +249,7 @@ def bench_memory(path: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="hf,static,prefix,prompts,memory,penalties")
+    parser.add_argument("--only", default="hf,static,prefix,prompts,memory,penalties,parallel")
     parser.add_argument("--hf-rounds", type=int, default=3, help="rounds of tokenmill vs HF at HF's best batch size")
     parser.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
     parser.add_argument("--static-requests", type=int, default=96)
@@ -209,6 +257,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32])
     parser.add_argument("--memory-requests", type=int, default=5000)
     parser.add_argument("--penalty-rounds", type=int, default=3)
+    parser.add_argument("--parallel-rounds", type=int, default=3)
+    parser.add_argument("--parallel-output-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     parser.add_argument("--output-json", default="bench_results/cpu_throughput.json")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
@@ -218,7 +268,7 @@ def main() -> None:
         for name in args.only.split(","):
             results[name] = {"hf": bench_hf, "static": bench_static, "prefix": bench_prefix,
                              "prompts": bench_prompts, "memory": bench_memory,
-                             "penalties": bench_penalties}[name](path, args)
+                             "penalties": bench_penalties, "parallel": bench_parallel}[name](path, args)
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(results, indent=2))
     print(f"results written to {args.output_json}")

@@ -95,6 +95,65 @@ def test_n_samples_per_prompt(llm):
     assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
 
 
+PROMPT_37 = list(range(100, 137))  # 2 full blocks of 16 and a partial one, which the forks copy on write
+
+
+@pytest.mark.parametrize("engine_args", [{}, dict(block_size=4, kv_cache_memory=80 * 512)],  # 80 tokens of KV
+                         ids=["roomy", "preemption"])
+def test_parallel_sampling_forks_after_one_prefill(checkpoints, engine_args):
+    """n=4 computes the prompt once; sequence i equals a request alone with seed + i (also
+    when sequences are preempted and recomputed); every block comes back."""
+    llm = LLM(str(checkpoints("llama")), **{"dtype": "float32", "kv_cache_memory": "16MiB", **engine_args})
+    engine = llm.engine
+    params = SamplingParams(n=4, seed=7, temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    [out] = llm.generate(ids(PROMPT_37), params, use_tqdm=False)
+    assert engine.stats()["num_prompt_tokens_computed"] >= len(PROMPT_37)
+    if not engine_args:
+        assert engine.stats()["num_prompt_tokens_computed"] == len(PROMPT_37)  # one prefill, not four
+    else:
+        assert engine.scheduler.num_preemptions > 0
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    for i, completion in enumerate(out.outputs):
+        alone = llm.generate(ids(PROMPT_37), SamplingParams(seed=7 + i, temperature=1.0, max_tokens=24,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+        assert completion.token_ids == alone.outputs[0].token_ids, i
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(lp[t] for lp, t in zip(completion.logprobs, completion.token_ids)), abs=1e-4)
+    engine.kv_cache.check_integrity()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks and not engine.scheduler.requests
+
+
+def test_best_of_returns_the_n_most_likely(llm):
+    """best_of=4, n=2: the two of the four sequences (the same four as n=4) with the highest
+    cumulative logprob, best first."""
+    base = dict(seed=3, temperature=1.0, max_tokens=8, ignore_eos=True)
+    [four] = llm.generate(ids(PROMPT_37), SamplingParams(n=4, logprobs=0, **base), use_tqdm=False)
+    [best] = llm.generate(ids(PROMPT_37), SamplingParams(n=2, best_of=4, **base), use_tqdm=False)
+    ranked = sorted(four.outputs, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
+    assert [c.index for c in best.outputs] == [0, 1] and best.outputs[0].logprobs is None
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+
+
+def test_aborting_a_forked_request_frees_every_sequence(llm):
+    engine = llm.engine
+    request, _ = engine.make_request(PROMPT_37, SamplingParams(n=4, temperature=1.0, max_tokens=50,
+                                                               ignore_eos=True))
+    engine.add_request(request)
+    seen = set()
+    for _ in range(3):
+        seen |= {(out.request_id, out.outputs[0].index) for out in engine.step()}
+    assert seen == {(request.request_id, i) for i in range(4)}  # one output stream, four sequences
+    assert len(engine.scheduler.running) == 4
+    final = engine.abort_request(request.request_id)
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert not engine.scheduler.requests and not engine.has_unfinished_requests()
+    engine.kv_cache.check_integrity()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert not engine.runner.penalties.rows
+
+
 def test_priority_policy_runs_urgent_requests_first(checkpoints):
     llm = LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory="16MiB", scheduling_policy="priority",
               max_num_seqs=1)
@@ -190,7 +249,7 @@ def test_a_failing_request_does_not_take_others_down(checkpoints):
     def broken(token_ids):
         raise RuntimeError("detokenizer exploded")
 
-    engine._tracked[bad.request_id].detokenizer.add = broken
+    engine._tracked[bad.request_id].seqs[0].detokenizer.add = broken
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

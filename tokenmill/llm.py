@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -60,20 +59,16 @@ class LLM:
         batch: list[tuple[int, Request, str | None]] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             prio = priority[i] if priority is not None else 0
-            for j in range(sp.n):
-                # the j-th of n samples: its own seed, so the n differ but stay reproducible
-                child = sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
-                try:
-                    request, text = self.engine.make_request(_prompt_input(prompt, i), child, priority=prio)
-                except ValueError as e:
-                    raise ValueError(f"prompts[{i}]: {e}" if not str(e).startswith("prompts[") else str(e)) from e
-                batch.append((i, request, text))
+            try:  # n > 1 is one request: the engine forks its sequences after one prefill
+                request, text = self.engine.make_request(_prompt_input(prompt, i), sp, priority=prio)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}" if not str(e).startswith("prompts[") else str(e)) from e
+            batch.append((i, request, text))
         for _, request, text in batch:
             self.engine.add_request(request, text, final_only=True)
-        return self._run(batch, len(prompts), use_tqdm)
+        return self._run(batch, use_tqdm)
 
-    def _run(self, batch: list[tuple[int, Request, str | None]], num_prompts: int,
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, batch: list[tuple[int, Request, str | None]], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(batch), desc="generate", unit="req", disable=not use_tqdm or len(batch) < 2,
                    dynamic_ncols=True)
@@ -85,15 +80,7 @@ class LLM:
                         bar.update(1)
         finally:
             bar.close()
-        results: list[RequestOutput | None] = [None] * num_prompts
-        for i, request, _ in batch:
-            out = final[request.request_id]
-            if results[i] is None:
-                results[i] = out
-            else:  # n > 1: gather the samples of one prompt into one output
-                out.outputs[0].index = len(results[i].outputs)
-                results[i].outputs.append(out.outputs[0])
-        return results  # type: ignore[return-value]
+        return [final[request.request_id] for _, request, _ in batch]
 
 
 def _prompt_input(prompt: PromptType, index: int) -> str | list[int]:

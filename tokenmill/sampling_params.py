@@ -45,7 +45,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs (plus the prompt's own token) at every prompt position
     skip_special_tokens: bool = True
     detokenize: bool = True
-    n: int = 1
+    n: int = 1  # sequences returned; forked inside the engine after one prefill
+    best_of: int | None = None  # sequences generated (>= n); the n of highest cumulative logprob are returned
     presence_penalty: float = 0.0  # OpenAI: -= penalty where a token was generated before
     frequency_penalty: float = 0.0  # OpenAI: -= penalty x times the token was generated
     repetition_penalty: float = 1.0  # HF/vLLM: tokens in the prompt or output, / p if > 0 else x p
@@ -79,6 +80,8 @@ class SamplingParams:
                              f"got {self.prompt_logprobs!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ParamError("n", f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ParamError("best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ParamError("stop",
@@ -122,6 +125,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine generates: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def has_penalties(self) -> bool:

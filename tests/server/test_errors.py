@@ -42,6 +42,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, 400, "bad_words"),
     ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"-1": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, 400, "echo"),
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),

@@ -106,6 +106,20 @@ def test_n_samples(client):
     assert [streamed[i] for i in range(6)] == [c.text for c in out.choices]
 
 
+def test_n_is_one_prefill_and_best_of_picks_among_more(server, client):
+    ids = list(range(300, 345))
+    engine = server.engine.engine
+    before = engine.stats()["num_prompt_tokens_computed"]
+    out = client.completions.create(model=MODEL_NAME, prompt=ids, n=4, max_tokens=5, temperature=1.0, seed=2,
+                                    extra_body={"ignore_eos": True})
+    assert len(out.choices) == 4 and out.usage.prompt_tokens == len(ids)
+    assert engine.stats()["num_prompt_tokens_computed"] - before == len(ids)  # forked, not four prefills
+    best = client.completions.create(model=MODEL_NAME, prompt=ids, n=1, best_of=4, max_tokens=5, temperature=1.0,
+                                     seed=2, logprobs=0, extra_body={"ignore_eos": True})
+    assert len(best.choices) == 1 and best.choices[0].index == 0
+    assert best.choices[0].text in {c.text for c in out.choices}  # the same four sequences, the best one back
+
+
 def test_logprobs(client):
     out = client.completions.create(model=MODEL_NAME, prompt="x = ", max_tokens=6, logprobs=3, temperature=0,
                                     extra_body={"ignore_eos": True})

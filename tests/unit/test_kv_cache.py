@@ -415,3 +415,45 @@ def test_check_integrity_catches_a_held_block_in_the_free_queue():
     kv.pool.free_queue[block.block_id] = block
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+def test_forked_sequences_share_blocks_and_copy_the_partial_one_on_write():
+    """Parallel sampling: after the prefill (10 tokens: 2 full blocks + 2 tokens) three
+    sequences share every block; the first two to write get their own copy of the partial
+    block, the last keeps the original; full blocks are never copied."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS)
+    parent = Request("p", list(range(10)), SamplingParams(max_tokens=8, n=3, seed=1))
+    admit(kv, parent)
+    children = [parent.fork(i) for i in (1, 2)]
+    for child in children:
+        kv.fork(parent, child)
+        kv.check_integrity()
+    assert all(b.ref_cnt == 3 for b in kv.req_blocks["p"]) and kv.num_free_blocks == 12 - 3
+    shared = list(kv.req_blocks["p"])
+    copies = []
+    for seq, token in zip([parent, *children], (50, 51, 52)):
+        decode(kv, seq, token)
+        copies += kv.take_copies()
+    partial = shared[2].block_id
+    # two copies of the partial block, into fresh blocks; the third writer owns it by then
+    assert [src for src, _ in copies] == [partial, partial]
+    assert kv.req_blocks[children[1].request_id][2].block_id == partial
+    assert len({kv.req_blocks[s.request_id][2].block_id for s in [parent, *children]}) == 3
+    assert all(kv.req_blocks[s.request_id][:2] == shared[:2] for s in [parent, *children])
+    for seq in (parent, *children):  # each fills its own block on and frees it
+        decode(kv, seq, 60)
+        free(kv, seq)
+    assert kv.num_free_blocks == 12
+
+
+def test_a_fork_without_a_free_block_for_its_copy_waits():
+    """The copy on write needs a block: with none free, allocation fails and changes nothing."""
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    parent = Request("p", list(range(10)), SamplingParams(max_tokens=8, n=2))
+    admit(kv, parent)
+    child = parent.fork(1)
+    kv.fork(parent, child)
+    child.all_token_ids.append(7)
+    before = snapshot(kv)
+    assert not kv.allocate_slots(child, 1)
+    assert snapshot(kv) == before and kv.take_copies() == []

@@ -121,8 +121,14 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await stream.get()
+                # outputs queued meanwhile: consecutive ones of the same sequence become one
                 while not out.finished and not stream.empty():
-                    out = _merge(out, stream.get_nowait())
+                    following = stream.get_nowait()
+                    if following.outputs[0].index == out.outputs[0].index:
+                        out = _merge(out, following)
+                    else:
+                        yield out
+                        out = following
                 finished = out.finished
                 yield out
         finally:
@@ -216,8 +222,9 @@ class AsyncEngine:
                 stream.put_nowait(out)
 
     def _fail_in_flight(self, message: str) -> list[RequestOutput]:
-        requests = list(self.engine.scheduler.requests.values())
-        return [self.engine.fail_request(r, message) for r in requests]
+        # one per request as its caller knows it, not one per forked sequence
+        requests = {r.group_id: r.parent or r for r in self.engine.scheduler.requests.values()}
+        return [self.engine.fail_request(r, message) for r in requests.values()]
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:

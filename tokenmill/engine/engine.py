@@ -33,14 +33,35 @@ def _logprob_dict(entry: TokenLogprobs) -> dict[int, float]:
 
 
 @dataclass(slots=True)
-class _Tracked:
+class _Seq:
+    """One sequence of a request: the request itself, or one forked from it (parallel sampling)."""
+
     request: Request
-    prompt: str | None
     detokenizer: IncrementalDetokenizer | None
-    final_only: bool = False
     num_sent_tokens: int = 0  # output tokens handed out in RequestOutputs
     num_decoded_tokens: int = 0  # output tokens fed to the detokenizer
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request as its caller knows it: its sequences (one, or n / best_of), by index."""
+
+    request: Request  # sequence 0, whose id the caller knows
+    prompt: str | None
+    seqs: list[_Seq]
+    final_only: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None  # as dicts, built once when complete
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence has finished, and none is still to be forked (an aborted or failed
+        request may end before its fork)."""
+        r = self.request
+        return (r.num_forks == 0 or r.is_finished) and all(seq.request.is_finished for seq in self.seqs)
+
+    @property
+    def error(self) -> str | None:
+        return next((seq.request.error for seq in self.seqs if seq.request.error is not None), None)
 
 
 def _check_without_tokenizer(params: SamplingParams) -> None:
@@ -155,121 +176,170 @@ class Engine:
     def add_request(self, request: Request, prompt: str | None = None, final_only: bool = False) -> None:
         """Queues a request. With final_only, step() returns its output once, when it
         finishes (as vLLM's FINAL_ONLY): no per-step output objects for offline batches."""
+        self.scheduler.add_request(request)
+        self._tracked[request.request_id] = _Tracked(request, prompt, [self._new_seq(request)], final_only)
+
+    def _new_seq(self, request: Request) -> _Seq:
         sp = request.sampling_params
         detok = None
         if sp.detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self._decoder(sp.skip_special_tokens), request.prompt_token_ids,
                                            sp.stop_strings, sp.include_stop_str_in_output)
-        self.scheduler.add_request(request)
-        self._tracked[request.request_id] = _Tracked(request, prompt, detok, final_only)
+        return _Seq(request, detok)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Ends a request and frees its blocks; returns its final output (None if it was not
-        running here)."""
+        """Ends a request, every sequence of it, and frees their blocks; returns its final
+        output (None if it was not running here)."""
         return self._end(request_id, RequestStatus.FINISHED_ABORTED, None)
 
     def fail_request(self, request: Request, message: str) -> RequestOutput:
-        """Ends a request with an error, whether or not it was added; returns its final output."""
+        """Ends a request (all its sequences) with an error, whether or not it was added;
+        returns its final output."""
+        request = request.parent or request
         out = self._end(request.request_id, RequestStatus.FINISHED_ERROR, message)
         if out is None:  # never got in
             request.status, request.error, request.finish_time = RequestStatus.FINISHED_ERROR, message, time.time()
-            out = self._snapshot(_Tracked(request, None, None), "", [])
+            tracked = _Tracked(request, None, [_Seq(request, None)])
+            out = self._snapshot(tracked, tracked.seqs, "", [], finished=True)
         return out
 
     def _end(self, request_id: str, status: RequestStatus, error: str | None) -> RequestOutput | None:
-        self.scheduler.finish_request(request_id, status)
-        tracked = self._forget(request_id)
+        tracked = self._tracked.get(request_id)
         if tracked is None:
+            self.scheduler.finish_request(request_id, status)
             return None
+        for seq in tracked.seqs:
+            self.scheduler.finish_request(seq.request.request_id, status)
+        self._forget(tracked)
         tracked.request.error = error
-        return self._snapshot(tracked, tracked.detokenizer.delta(True) if tracked.detokenizer else "", [])
+        seq = tracked.seqs[0]
+        text = seq.detokenizer.delta(True) if seq.detokenizer else ""
+        return self._snapshot(tracked, tracked.seqs[:1], text, [], finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling step; returns an output for each request that got new
-        tokens or finished (for a final_only request: only when it finished)."""
+        """Runs one scheduling step; returns outputs for the sequences that got new tokens or
+        finished, one per sequence (for a final_only request: one for all of them, when the
+        last finishes). A request's last output of the step says whether it has finished."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        sampled = self.runner.execute(sched)
-        changed = self.scheduler.update(sched, sampled)
+        result = self.runner.execute(sched)
+        changed = self.scheduler.update(sched, result)
         self.total_steps += 1
-        outputs = []
+        groups: dict[str, tuple[_Tracked, list[_Seq]]] = {}
         for request in changed:
-            tracked = self._tracked.get(request.request_id)
+            if request.is_finished:  # a sequence's runner state goes when it ends, not with its group
+                self.runner.release(request.request_id)
+            tracked = self._tracked.get(request.group_id)
             if tracked is None:
-                if request.is_finished:
-                    self._forget(request.request_id)
                 continue
+            if request.index == len(tracked.seqs):  # forked this step (they come in index order)
+                tracked.seqs.append(self._new_seq(request))
+            groups.setdefault(request.group_id, (tracked, []))[1].append(tracked.seqs[request.index])
+        outputs = []
+        for tracked, seqs in groups.values():
             try:
-                if tracked.final_only and not request.is_finished:
-                    if tracked.detokenizer is None or not tracked.detokenizer.stop:
-                        continue  # nothing to check before the end: the text is decoded then
-                    self._detokenize(tracked)  # stop strings are checked as tokens come
-                    if not request.is_finished:
-                        continue
-                outputs.append(self._output(tracked))
+                outputs.extend(self._outputs(tracked, seqs))
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
-                logger.exception("request %s failed in post-processing", request.request_id)
-                if not request.is_finished:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-                request.status, request.error = RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}"
-                outputs.append(self._snapshot(tracked, "", []))
-            if request.is_finished:
-                self._forget(request.request_id)
+                logger.exception("request %s failed in post-processing", tracked.request.request_id)
+                for seq in tracked.seqs:
+                    if not seq.request.is_finished:
+                        self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ERROR)
+                tracked.request.status = RequestStatus.FINISHED_ERROR
+                tracked.request.error = f"{type(e).__name__}: {e}"
+                outputs.append(self._snapshot(tracked, tracked.seqs[:1], "", [], finished=True))
+            if tracked.finished:
+                self._forget(tracked)
         return outputs
 
-    def _forget(self, request_id: str) -> _Tracked | None:
-        """A finished request: the engine and the runner drop what they kept for it."""
-        self.runner.release(request_id)
-        return self._tracked.pop(request_id, None)
+    def _outputs(self, tracked: _Tracked, seqs: list[_Seq]) -> list[RequestOutput]:
+        """The outputs of one request's changed sequences this step."""
+        sp = tracked.request.sampling_params
+        ranked = tracked.request.ranked_by_logprob
+        if tracked.final_only or ranked:
+            for seq in seqs:  # stop strings are checked as tokens come
+                if seq.detokenizer is not None and seq.detokenizer.stop and not seq.request.is_finished:
+                    self._detokenize(seq)
+            if not tracked.finished:
+                return []
+            chosen = tracked.seqs
+            if ranked:  # best_of: the n of highest cumulative logprob, best first
+                chosen = sorted(chosen, key=lambda q: -q.request.cumulative_logprob)[:sp.n]
+            if tracked.final_only:
+                deltas = [self._deltas(seq) for seq in chosen]  # decodes every chosen one's text
+                return [self._snapshot(tracked, chosen, *deltas[0], finished=True, index=0 if ranked else None)]
+            outs = [self._snapshot(tracked, [seq], *self._deltas(seq), finished=False, index=i)
+                    for i, seq in enumerate(chosen)]
+        else:
+            outs = [self._snapshot(tracked, [seq], *self._deltas(seq), finished=False) for seq in seqs]
+        outs[-1].finished = tracked.finished
+        return outs
 
-    def _detokenize(self, tracked: _Tracked) -> None:
-        """Feeds the new output tokens to the detokenizer; a stop string ends the request."""
-        request = tracked.request
-        new_ids = request.all_token_ids[request.num_prompt_tokens + tracked.num_decoded_tokens:]
-        tracked.num_decoded_tokens += len(new_ids)
-        hit = tracked.detokenizer.add(new_ids)
+    def _forget(self, tracked: _Tracked) -> None:
+        """A finished request: the engine and the runner drop what they kept for it."""
+        for seq in tracked.seqs:
+            self.runner.release(seq.request.request_id)
+        self._tracked.pop(tracked.request.request_id, None)
+
+    def _detokenize(self, seq: _Seq) -> None:
+        """Feeds the new output tokens to the detokenizer; a stop string ends the sequence."""
+        request = seq.request
+        new_ids = request.all_token_ids[request.num_prompt_tokens + seq.num_decoded_tokens:]
+        seq.num_decoded_tokens += len(new_ids)
+        hit = seq.detokenizer.add(new_ids)
         if hit is not None:
             request.stop_reason = hit
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.status = RequestStatus.FINISHED_STOPPED
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        request = tracked.request
+    def _deltas(self, seq: _Seq) -> tuple[str, list[int]]:
+        """The text and token ids of a sequence not yet handed out."""
+        request = seq.request
         new_text = ""
-        if tracked.detokenizer is not None:
-            self._detokenize(tracked)
-            new_text = tracked.detokenizer.delta(request.is_finished)
-        new_ids = request.all_token_ids[request.num_prompt_tokens + tracked.num_sent_tokens:]
-        tracked.num_sent_tokens += len(new_ids)
-        return self._snapshot(tracked, new_text, new_ids)
+        if seq.detokenizer is not None:
+            self._detokenize(seq)
+            new_text = seq.detokenizer.delta(request.is_finished)
+        new_ids = request.all_token_ids[request.num_prompt_tokens + seq.num_sent_tokens:]
+        seq.num_sent_tokens += len(new_ids)
+        return new_text, new_ids
 
-    def _snapshot(self, tracked: _Tracked, new_text: str, new_ids: list[int]) -> RequestOutput:
+    def _snapshot(self, tracked: _Tracked, seqs: list[_Seq], new_text: str, new_ids: list[int],
+                  finished: bool, index: int | None = None) -> RequestOutput:
+        """The request's state with `seqs` as its outputs (numbered from `index`, else by
+        their own index); the deltas are those of the first."""
+        completions = []
+        for i, seq in enumerate(seqs):
+            q = seq.request
+            logprobs = None
+            if q.logprobs is not None and q.is_finished:
+                # the whole list only once, at the end: rebuilding it every step would be quadratic
+                logprobs = [_logprob_dict(e) for e in q.logprobs]
+            completions.append(CompletionOutput(
+                index=q.index if index is None else index + i,
+                text=seq.detokenizer.text if seq.detokenizer is not None else "",
+                token_ids=q.output_token_ids,
+                finish_reason=q.finish_reason,
+                stop_reason=q.stop_reason,
+                logprobs=logprobs,
+                cumulative_logprob=q.cumulative_logprob if q.logprobs is not None or q.ranked_by_logprob else None,
+            ))
+        new_logprobs = None
+        first = seqs[0].request if seqs else None
+        if first is not None and first.logprobs is not None:
+            new_logprobs = [_logprob_dict(e) for e in first.logprobs[len(first.logprobs) - len(new_ids):]]
         r = tracked.request
-        logprobs = new_logprobs = None
-        if r.logprobs is not None:
-            # the whole list only once, at the end: rebuilding it every step would be quadratic
-            new_logprobs = [_logprob_dict(e) for e in r.logprobs[len(r.logprobs) - len(new_ids):]]
-            logprobs = [_logprob_dict(e) for e in r.logprobs] if r.is_finished else None
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.detokenizer.text if tracked.detokenizer is not None else "",
-            token_ids=r.output_token_ids,
-            finish_reason=r.finish_reason,
-            stop_reason=r.stop_reason,
-            logprobs=logprobs,
-        )
         if tracked.prompt_logprobs is None and r.prompt_logprobs is not None and not r.needs_prompt_logprobs:
             tracked.prompt_logprobs = [None if e is None else _logprob_dict(e) for e in r.prompt_logprobs]
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time,
                                  r.finish_time, max(r.num_cached_tokens, 0), r.num_preemptions)
-        return RequestOutput(r.request_id, tracked.prompt, r.prompt_token_ids, [completion], r.is_finished,
-                             metrics, r.error, new_ids, new_text, new_logprobs, tracked.prompt_logprobs)
+        return RequestOutput(r.request_id, tracked.prompt, r.prompt_token_ids, completions, finished,
+                             metrics, tracked.error or r.error, new_ids, new_text, new_logprobs,
+                             tracked.prompt_logprobs)
 
     def _decoder(self, skip_special_tokens: bool):
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
@@ -288,4 +358,5 @@ class Engine:
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
         }

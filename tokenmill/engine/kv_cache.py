@@ -13,6 +13,12 @@ freed cached block is evicted first.
     request tokens:  [t0 .. t15][t16 .. t31][t32 .. t39 ....]
     block table:     [   b7    ][   b2     ][   b9          ]
     keys:            [   k0    ][ k1(k0)   ]  (partial: no key)
+
+Parallel sampling forks a request after its prefill: the sequences share every block
+by reference count, and the first one to write into a shared partial last block gets
+its own copy (copy on write: `take_copies` hands the runner the (source, destination)
+block pairs to copy before the step's forward). Full blocks are never written again,
+so they are never copied.
 """
 
 from __future__ import annotations
@@ -123,6 +129,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_keys: dict[str, list[BlockKey]] = {}  # keys of the request's full blocks so far
         self.req_num_registered: dict[str, int] = {}  # how many of its blocks are in the cache map
+        self.pending_copies: list[tuple[int, int]] = []  # copy on write, for the next step
         # prefix-cache statistics, in tokens
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -161,7 +168,7 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         new = max(0, -(-(num_computed + num_new_tokens) // self.block_size) - held)
         # hits with no holder sit in the free queue: touching them takes them out of it
-        return new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0) + self._needs_copy(request)
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
@@ -182,6 +189,8 @@ class KVCacheManager:
             # admission: count the lookup once, not at every peek of a request that then waited
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(new_computed_blocks) * self.block_size
+        if self._needs_copy(request):
+            self._copy_on_write(request)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
@@ -211,6 +220,19 @@ class KVCacheManager:
         if finished:
             self.req_keys.pop(rid, None)
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares all of the parent's blocks (one more reference each)."""
+        blocks = self.req_blocks[parent.request_id]
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        self.req_keys[child.request_id] = list(self.req_keys.get(parent.request_id, ()))
+        self.req_num_registered[child.request_id] = self.req_num_registered.get(parent.request_id, 0)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies the next step must make before it writes."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block that no request holds."""
         for block in self.pool.free_queue.values():
@@ -219,6 +241,21 @@ class KVCacheManager:
                 block.key = None
 
     # -- internals ---------------------------------------------------------
+    def _needs_copy(self, request: Request) -> bool:
+        """The request's next token goes into a partial block that other sequences share."""
+        blocks = self.req_blocks.get(request.request_id)
+        offset = request.num_computed_tokens % self.block_size
+        return bool(blocks) and offset != 0 and blocks[request.num_computed_tokens // self.block_size].ref_cnt > 1
+
+    def _copy_on_write(self, request: Request) -> None:
+        blocks = self.req_blocks[request.request_id]
+        i = request.num_computed_tokens // self.block_size
+        shared = blocks[i]
+        [own] = self.pool.take(1)
+        self.pool.release([shared])
+        blocks[i] = own
+        self.pending_copies.append((shared.block_id, own.block_id))
+
     def _keys(self, request: Request) -> list[BlockKey]:
         keys = self.req_keys.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size

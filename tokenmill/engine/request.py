@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -47,7 +47,8 @@ class Request:
                  "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
                  "status", "stop_reason", "error", "logprobs", "max_tokens", "eos_token_ids",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
-                 "last_token_time", "bad_words_token_ids", "prompt_logprobs")
+                 "last_token_time", "bad_words_token_ids", "prompt_logprobs", "parent", "index",
+                 "num_forks", "cumulative_logprob")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
@@ -76,6 +77,41 @@ class Request:
         # entry i: the logprobs of prompt token i given the ones before it (none for the first)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = \
             [None] if sampling_params.prompt_logprobs is not None else None
+        # parallel sampling: sequence `index` of its group; the group's first sequence (index 0)
+        # is the request itself, which forks `num_forks` more after its prefill (Request.fork)
+        self.parent: Request | None = None
+        self.index = 0
+        self.num_forks = sampling_params.num_sequences - 1
+        self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs are computed
+
+    def fork(self, index: int) -> Request:
+        """Sequence `index` of this request's group, at the end of its prefill: the same prompt
+        and computed tokens (the scheduler shares the blocks), its own seed (seed + index, as
+        vLLM's) and no prompt logprobs (the group's are the parent's)."""
+        sp = self.sampling_params
+        child_params = replace(sp, n=1, best_of=None, prompt_logprobs=None,
+                               seed=None if sp.seed is None else sp.seed + index)
+        child = Request(f"{self.request_id}#{index}", self.prompt_token_ids, child_params, (),
+                        self.max_tokens, self.priority, self.arrival_time)
+        child.eos_token_ids = self.eos_token_ids
+        child.parent, child.index = self, index
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = self.first_scheduled_time
+        child.bad_words_token_ids = self.bad_words_token_ids
+        return child
+
+    @property
+    def ranked_by_logprob(self) -> bool:
+        """Part of a best_of group: its sampled tokens' logprobs are summed to rank it."""
+        sp = (self.parent or self).sampling_params
+        return sp.best_of is not None and sp.best_of > sp.n
+
+    @property
+    def group_id(self) -> str:
+        """The id the caller knows: the parent's, for every sequence of a group."""
+        return self.request_id if self.parent is None else self.parent.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +166,7 @@ class CompletionOutput:
     # one dict {token_id: logprob} per generated token: the top-N plus the chosen token
     # (in the request's final output; streamed outputs carry RequestOutput.new_logprobs)
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None  # with logprobs, or in a best_of request
 
     @property
     def finished(self) -> bool:

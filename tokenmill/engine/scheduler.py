@@ -34,6 +34,9 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # parallel sampling: (i, sequence) forked from requests[i] this step, sampling from its last row
+    forked: list[tuple[int, Request]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -48,6 +51,11 @@ class SchedulerOutput:
 
     def samples(self, i: int) -> bool:
         return self.sampling[i]
+
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """Who gets a token this step, in the order of the runner's sampled rows."""
+        return [r for r, s in zip(self.requests, self.sampling) if s] + [seq for _, seq in self.forked]
 
 
 class ModelRunnerOutput(NamedTuple):
@@ -76,6 +84,7 @@ class Scheduler:
         self._batch_open = True  # static policy: may the current batch still take requests?
         self._order = itertools.count()
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prefill work done, recomputation included
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -145,9 +154,25 @@ class Scheduler:
             out.num_computed_tokens.append(request.num_computed_tokens)
             out.num_scheduled_tokens.append(n)
             out.block_tables.append(self.kv.get_block_ids(request.request_id))
-            out.sampling.append(request.num_computed_tokens + n == request.num_tokens)
+            samples = request.num_computed_tokens + n == request.num_tokens
+            out.sampling.append(samples)
+            self.num_prompt_tokens_computed += max(0, min(n, request.num_prompt_tokens - request.num_computed_tokens))
             request.num_computed_tokens += n
+            if samples and request.num_forks:
+                self._fork(out, len(out.requests) - 1, request)
+        out.block_copies = self.kv.take_copies()
         return out
+
+    def _fork(self, out: SchedulerOutput, row: int, request: Request) -> None:
+        """Parallel sampling: the request's prefill ends this step; its other sequences start
+        here, sharing its blocks, each sampling its first token from the same logits."""
+        for index in range(1, request.num_forks + 1):
+            seq = request.fork(index)
+            self.kv.fork(request, seq)
+            self.requests[seq.request_id] = seq
+            self.running.append(seq)
+            out.forked.append((row, seq))
+        request.num_forks = 0
 
     def _admit_waiting(self, scheduled: dict[str, int], budget: int) -> int:
         now = time.time()
@@ -186,17 +211,17 @@ class Scheduler:
         changed = []
         now = time.time()
         for request_id, entries in result.prompt_logprobs.items():
-            self.requests[request_id].prompt_logprobs.extend(entries)
-        it = iter(result.sampled)
-        for i, request in enumerate(out.requests):
-            if not out.samples(i):
-                continue
-            token_id, logprobs = next(it)
+            request = self.requests.get(request_id)
+            if request is not None:  # else ended during the step
+                request.prompt_logprobs.extend(entries)
+        for request, (token_id, logprobs) in zip(out.sampling_requests, result.sampled, strict=True):
             if request.status != RequestStatus.RUNNING:
                 continue
             request.all_token_ids.append(token_id)
-            if request.logprobs is not None and logprobs is not None:
-                request.logprobs.append(logprobs)
+            if logprobs is not None:
+                request.cumulative_logprob += logprobs[1]
+                if request.logprobs is not None:
+                    request.logprobs.append(logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now

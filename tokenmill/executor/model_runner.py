@@ -91,11 +91,14 @@ class ModelRunner:
             block_table[i, :len(blocks)] = blocks
         positions, slot_mapping = token_slots(query_lens, computed, block_table, bs)
         seq_lens = (computed + query_lens).astype(np.int32)
-        sampling_rows = [i for i in range(len(out.requests)) if out.samples(i)]
-        sampling = [out.requests[i] for i in sampling_rows]
-        logits_rows = np.cumsum(query_lens, dtype=np.int64)[sampling_rows] - 1  # each one's last token
+        # each sampling request's last token; a sequence forked this step samples from its parent's
+        sampling_rows = [i for i in range(len(out.requests)) if out.samples(i)] + [i for i, _ in out.forked]
+        sampling = out.sampling_requests
+        logits_rows = np.cumsum(query_lens, dtype=np.int64)[sampling_rows] - 1
 
         self.staging.begin()
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
         if self.graphs is not None and self.graphs.can_run(query_lens):
             hidden = self.graphs.run(np.array(input_ids, dtype=np.int64), positions, slot_mapping, seq_lens,
                                      block_table)
@@ -108,11 +111,21 @@ class ModelRunner:
         if not sampling:
             self.staging.end()
             return ModelRunnerOutput([], prompt_logprobs)
-        if len(logits_rows) != len(hidden):
+        if out.forked or len(logits_rows) != len(hidden):
             hidden = hidden[self.staging.to_device(logits_rows)]
         batch = self._sampling_batch(sampling)
         self.staging.end()
         return ModelRunnerOutput(self.sampler(self.model.compute_logits(hidden), batch), prompt_logprobs)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy on write (parallel sampling): each destination block gets its source's K/V,
+        in every layer, before this step writes to it."""
+        bs = self.block_size
+        offsets = np.arange(bs, dtype=np.int64)
+        src = (np.array([s for s, _ in copies], dtype=np.int64)[:, None] * bs + offsets).ravel()
+        dst = (np.array([d for _, d in copies], dtype=np.int64)[:, None] * bs + offsets).ravel()
+        put = self.staging.to_device
+        self.kv_cache[:, :, put(dst)] = self.kv_cache[:, :, put(src)]
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
                          query_lens: np.ndarray) -> dict[str, list[TokenLogprobs]]:
@@ -181,7 +194,8 @@ class ModelRunner:
                 seeds.append((row, hash((sp.seed, r.num_output_tokens)) & 0x7FFF_FFFF_FFFF_FFFF))
             else:
                 unseeded.append(row)
-            num_logprobs.append(sp.logprobs)
+            # a best_of sequence needs its chosen token's logprob to be ranked
+            num_logprobs.append(sp.logprobs if sp.logprobs is not None or not r.ranked_by_logprob else 0)
             if r.num_output_tokens < sp.min_tokens:
                 stops = set(r.eos_token_ids) | set(sp.stop_token_ids)
                 banned_rows.extend([row] * len(stops))

@@ -71,7 +71,7 @@ class ChatServing(OpenAIServing):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def chat(self, req: ChatCompletionRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
-        finals = await self.final_outputs(choices)
+        finals = await self.final_outputs(choices, req.n)
         out_choices = []
         for c, out in zip(choices, finals):
             comp = out.outputs[0]

@@ -21,8 +21,9 @@ class CompletionServing(OpenAIServing):
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[Choice]]:
         if req.suffix:
             raise APIError(400, "suffix: not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of: only best_of == n is supported", param="best_of")
+        if req.stream and req.best_of is not None and req.best_of > req.n:
+            raise APIError(400, "best_of: cannot be streamed when it is above n (the best are known at the end)",
+                           param="best_of")
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens: 0 is only allowed with echo (the prompt back, with its logprobs if "
                            "asked, and nothing generated); otherwise it must be >= 1", param="max_tokens")
@@ -32,12 +33,12 @@ class CompletionServing(OpenAIServing):
             prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
         # max_tokens 0: the prefill samples one token anyway; the answer leaves it out
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
-        params = self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+        params = self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs, req.best_of)
         rid = f"cmpl-{uuid.uuid4().hex}"
         return rid, self.submit(prompts, params, req.n, rid)
 
     async def completion(self, req: CompletionRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
-        finals = await self.final_outputs(choices)
+        finals = await self.final_outputs(choices, req.n)
         out_choices = []
         for c, out in zip(choices, finals):
             comp = out.outputs[0]

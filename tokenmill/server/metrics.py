@@ -64,7 +64,7 @@ class ServerMetrics:
         self.throughput.set_function(self._window_throughput)
         self._lock = threading.Lock()
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens generated in that step)
-        self._last_token_time: dict[str, float] = {}
+        self._last_token_time: dict[str, dict[int, float]] = {}  # request id -> sequence index (n > 1) -> time
         self._seen_prefix = (0, 0)
         self._seen_preemptions = 0
 
@@ -74,18 +74,20 @@ class ServerMetrics:
             n = len(out.new_token_ids)
             new_tokens += n
             m = out.metrics
-            last = self._last_token_time.get(out.request_id)
+            index = out.outputs[0].index
+            last_times = self._last_token_time.setdefault(out.request_id, {})
+            last = last_times.get(index)
             if n:
-                if last is None:  # the prompt is done: first token(s)
+                if last is None and index == 0:  # the prompt is done: first token(s)
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
                     if m.first_token_time is not None:
                         self.ttft.observe(m.first_token_time - m.arrival_time)
                     if m.first_scheduled_time is not None:
                         self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-                else:
+                elif last is not None:
                     for _ in range(n):  # several tokens in one step share the gap
                         self.itl.observe((now - last) / n)
-                self._last_token_time[out.request_id] = now
+                last_times[index] = now
             if out.finished:
                 self._finish(out, now)
         self.generation_tokens.inc(new_tokens)

@@ -85,7 +85,8 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=0, description="default 16, as OpenAI's; 0 only with echo")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="sequences generated, >= n; the n of highest "
+                                "cumulative logprob are returned (not with stream)")
     suffix: str | None = Field(None, description="not supported")
     return_token_ids: bool = Field(False, description="extension (vLLM): prompt_token_ids and token_ids in each "
                                    "choice; always on when the server has no tokenizer (--skip-tokenizer-init)")

@@ -9,7 +9,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine, QueueFullError
@@ -47,11 +47,12 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, best_of: int | None = None) -> SamplingParams:
         defaults = SamplingParams()
         try:
             return SamplingParams(
-                max_tokens=max_tokens, n=1, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                max_tokens=max_tokens, n=req.n, best_of=best_of, seed=req.seed, stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
                 temperature=defaults.temperature if req.temperature is None else req.temperature,
                 top_p=defaults.top_p if req.top_p is None else req.top_p,
                 top_k=defaults.top_k if req.top_k is None else req.top_k,
@@ -68,44 +69,46 @@ class OpenAIServing:
 
     def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams, n: int, base_id: str,
                prompt_param: str = "prompt") -> list[Choice]:
-        """Validates every (prompt, sample) pair and checks the queue bound; nothing is queued yet."""
+        """Validates one engine request per prompt (its n sequences are forked inside the
+        engine) and checks the queue bound; nothing is queued yet. Returns the n choices of
+        each prompt, in order, sharing their prompt's request."""
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
-        total = len(prompts) * n
+        total = len(prompts) * params.num_sequences
         if total > self.engine.max_waiting_requests:
-            raise APIError(400, f"this request asks for {total} completions (prompts x n); the server queues "
-                           f"at most {self.engine.max_waiting_requests}", param="n")
+            param = "best_of" if params.best_of else "n"
+            raise APIError(400, f"this request asks for {total} sequences (prompts x {param}); the server queues "
+                           f"at most {self.engine.max_waiting_requests}", param=param)
         try:
-            self.engine.check_capacity(total)
+            self.engine.check_capacity(len(prompts))
         except QueueFullError as e:
             raise APIError(503, str(e), type="server_error", code="overloaded", headers={"Retry-After": "1"}) from e
         choices = []
         for i, prompt in enumerate(prompts):
-            for j in range(n):
-                # the j-th sample of a seeded request gets seed + j: different, and reproducible
-                sp = params if n == 1 or params.seed is None else with_seed(params, params.seed + j)
-                try:
-                    request, text = self.engine.make_request(prompt, sp, request_id=f"{base_id}-{i * n + j}")
-                except ValueError as e:
-                    raise bad_request(e, prompt_param, index=i if len(prompts) > 1 else None) from e
-                choices.append(Choice(i * n + j, request, text))
+            try:
+                request, text = self.engine.make_request(prompt, params, request_id=f"{base_id}-{i}")
+            except ValueError as e:
+                raise bad_request(e, prompt_param, index=i if len(prompts) > 1 else None) from e
+            choices.extend(Choice(i * n + j, request, text) for j in range(n))
         return choices
 
-    async def outputs(self, choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output delta) as they come, from every choice; closing it aborts them all."""
-        if len(choices) == 1:
-            c = choices[0]
+    async def outputs(self, choices: list[Choice], n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output delta of that choice's sequence) as they come, from every
+        prompt's request; closing it aborts them all."""
+        requests = choices[::n]
+        if len(requests) == 1:
+            c = requests[0]
             async with contextlib.aclosing(self.engine.generate(c.request, c.prompt_text)) as gen:
                 async for out in gen:
-                    yield c.index, out
+                    yield c.index + out.outputs[0].index, out
             return
         merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
             async for out in self.engine.generate(c.request, c.prompt_text):
-                merged.put_nowait((c.index, out))
+                merged.put_nowait((c.index + out.outputs[0].index, out))
 
-        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        tasks = [asyncio.ensure_future(pump(c)) for c in requests]
         try:
             remaining = len(tasks)
             while remaining:
@@ -116,15 +119,17 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def deltas(self, choices: list[Choice], finals: dict[int, RequestOutput]
+    async def deltas(self, choices: list[Choice], n: int, finals: dict[int, RequestOutput]
                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """outputs(), keeping each choice's final output in `finals`; raises GenerationFailed
-        when a choice ends in an error (the others are then aborted)."""
-        async with contextlib.aclosing(self.outputs(choices)) as stream:
+        """outputs(), keeping each choice's last output, once its sequence has finished, in
+        `finals`; raises GenerationFailed when a request ends in an error (the others are
+        then aborted)."""
+        async with contextlib.aclosing(self.outputs(choices, n)) as stream:
             async for index, out in stream:
-                if out.finished:
-                    if out.error is not None or out.outputs[0].finish_reason == "abort":
-                        raise GenerationFailed(out.error or "aborted by the server")
+                finish = out.outputs[0].finish_reason
+                if out.error is not None or finish == "abort":
+                    raise GenerationFailed(out.error or "aborted by the server")
+                if finish is not None:
                     finals[index] = out
                 yield index, out
 
@@ -136,7 +141,7 @@ class OpenAIServing:
         `generated=False`: the answer leaves out the generated tokens (echo with max_tokens 0)."""
         finals: dict[int, RequestOutput] = {}
         try:
-            async for index, out in self.deltas(choices, finals):
+            async for index, out in self.deltas(choices, n, finals):
                 for chunk in chunks(index, out):
                     yield chunk
         except GenerationFailed as e:
@@ -146,10 +151,11 @@ class OpenAIServing:
                 yield envelope.usage_chunk(usage(choices, [finals[c.index] for c in choices], n, generated))
         yield SSE_DONE
 
-    async def final_outputs(self, choices: list[Choice]) -> list[RequestOutput]:
+    async def final_outputs(self, choices: list[Choice], n: int) -> list[RequestOutput]:
+        """Each choice's last output, in choice order."""
         finals: dict[int, RequestOutput] = {}
         try:
-            async for _ in self.deltas(choices, finals):
+            async for _ in self.deltas(choices, n, finals):
                 pass
         except GenerationFailed as e:
             raise APIError(500, str(e), type="server_error", code="generation_failed") from e
@@ -175,10 +181,6 @@ class OpenAIServing:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return replace(params, seed=seed)
-
-
 def top_entries(entry: dict[int, float], token: int, top_n: int) -> list[tuple[int, float]]:
     """The top-N of a logprobs dict, most likely first, plus `token` where it is not among them."""
     top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
