@@ -24,8 +24,10 @@ def test_known_timing(known_server, tmp_path, concurrency, endpoint):
                   "--endpoint", endpoint)
     assert r["completed"] == n and r["failed"] == 0
     assert r["total_output_tokens"] == 21 * n and r["total_input_tokens"] == 20 * n
-    # at 64 the known server itself takes a few ms to accept the burst of 64 requests
-    tolerance = 3 if concurrency == 1 else 10
+    # at 64 the known server itself (one Python process) takes its time to accept the burst of
+    # 64 requests: on 2 cores the mean TTFT comes out 56-61 ms (measured 2026-11-23, the same
+    # before and after the client's vLLM flags), so 10 ms failed about one run in four
+    tolerance = 3 if concurrency == 1 else 15
     assert r["mean_ttft_ms"] == pytest.approx(50, abs=tolerance)
     assert r["p99_ttft_ms"] == pytest.approx(50, abs=2.5 * tolerance)
     assert r["mean_tpot_ms"] == pytest.approx(10, abs=1) and r["median_itl_ms"] == pytest.approx(10, abs=2)
