@@ -1,6 +1,6 @@
 """CPU throughput benchmarks of the engine core, each a ratio measured in one run.
 
-    python benchmarks/cpu_throughput.py [--only hf,static,prefix,prompts,memory,penalties,parallel]
+    python benchmarks/cpu_throughput.py [--only hf,static,prefix,prompts,memory,penalties,parallel,structured]
                                         [--output-json FILE]
 
 hf      tokenmill vs Hugging Face transformers `generate` with static batches (its best
@@ -21,6 +21,11 @@ parallel  n=4 on a 512-token prompt (1 and 16 output tokens each, sampled) vs th
         (four prefills) and on (vLLM v1's way: the others hit the first one's blocks):
         prompt tokens computed and time, rounds in turn, medians. Target: >= 2x faster than
         four separate prefills.
+structured  16 concurrent requests whose output must fit a JSON schema (an array of typed
+        objects, so every request runs to max_tokens) vs the same requests unconstrained,
+        sampled, on the built-in model (vocab 8192, the forward is cheapest there, so the mask
+        weighs most) and on the 56M model (vocab 32000); rounds in turn, median ratio of
+        output tokens/s. Target: >= 0.85.
 """
 
 from __future__ import annotations
@@ -224,6 +229,41 @@ def bench_parallel(path: Path, args) -> dict:
     return out
 
 
+STRUCTURED_SCHEMA = {"type": "array", "minItems": 32, "items": {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0},
+                   "kind": {"enum": ["cat", "dog", "bird"]}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "age", "kind", "tags"], "additionalProperties": False}}
+
+
+def bench_structured(path: Path, args) -> dict:
+    from tokenmill import StructuredOutputsParams
+    from tokenmill.config import DEFAULT_MODEL_DIR
+
+    spec = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    out = {}
+    for name, model in (("builtin", DEFAULT_MODEL_DIR), ("56m", path)):
+        llm = LLM(str(model))
+        vocab = llm.engine.model_config.vocab_size
+        requests = random_requests(16, (32, 128), (args.structured_output_len,) * 2, min(vocab, 8192), seed=5)
+        run_throughput(llm, requests, use_tqdm=False, temperature=1.0, structured_outputs=spec)  # compiles once
+        plain, constrained = [], []
+        for _ in range(args.structured_rounds):
+            plain.append(run_throughput(llm, requests, use_tqdm=False, temperature=1.0).output_throughput)
+            constrained.append(run_throughput(llm, requests, use_tqdm=False, temperature=1.0,
+                                              structured_outputs=spec).output_throughput)
+        ratios = [b / a for a, b in zip(plain, constrained)]
+        ratio = statistics.median(ratios)
+        print(f"[structured] {name} model, 16 concurrent, {args.structured_output_len} tokens each: "
+              f"{statistics.median(plain):.0f} tok/s unconstrained, {statistics.median(constrained):.0f} with a JSON "
+              f"schema: {ratio:.3f} (median of {len(ratios)} rounds; target >= 0.85)")
+        out[name] = {"plain": plain, "constrained": constrained, "ratios": ratios, "ratio": ratio}
+        del llm
+        gc.collect()
+    out["target"] = 0.85
+    return out
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -249,7 +289,7 @@ def bench_memory(path: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="hf,static,prefix,prompts,memory,penalties,parallel")
+    parser.add_argument("--only", default="hf,static,prefix,prompts,memory,penalties,parallel,structured")
     parser.add_argument("--hf-rounds", type=int, default=3, help="rounds of tokenmill vs HF at HF's best batch size")
     parser.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
     parser.add_argument("--static-requests", type=int, default=96)
@@ -259,6 +299,8 @@ def main() -> None:
     parser.add_argument("--penalty-rounds", type=int, default=3)
     parser.add_argument("--parallel-rounds", type=int, default=3)
     parser.add_argument("--parallel-output-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    parser.add_argument("--structured-rounds", type=int, default=3)
+    parser.add_argument("--structured-output-len", type=int, default=128)
     parser.add_argument("--output-json", default="bench_results/cpu_throughput.json")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
@@ -268,7 +310,8 @@ def main() -> None:
         for name in args.only.split(","):
             results[name] = {"hf": bench_hf, "static": bench_static, "prefix": bench_prefix,
                              "prompts": bench_prompts, "memory": bench_memory,
-                             "penalties": bench_penalties, "parallel": bench_parallel}[name](path, args)
+                             "penalties": bench_penalties, "parallel": bench_parallel,
+                             "structured": bench_structured}[name](path, args)
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(results, indent=2))
     print(f"results written to {args.output_json}")

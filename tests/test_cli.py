@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -31,6 +32,15 @@ def test_generate_takes_penalties_bias_and_bad_words(capsys):
                         "--logit-bias", '{"5": -100}', "--bad-words", "list"]) == 0
     penalised = capsys.readouterr().out
     assert plain.count("list") >= 2 and "list" not in penalised
+
+
+def test_generate_takes_structured_outputs(capsys):
+    assert main(["generate", "The answer is", "--structured-outputs", '{"regex": "[0-9]{3}"}',
+                 "--temperature", "1", "--sample-seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"The answer is[0-9]{3}\n", out), out
+    assert main(["generate", "x", "--structured-outputs", "[1]"]) == 2
+    assert "--structured-outputs: expected a JSON object" in capsys.readouterr().err
 
 
 def test_bench_throughput_writes_json(checkpoints, tmp_path, capsys):

@@ -14,7 +14,7 @@ os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import CompletionOutput, RequestOutput
 from tokenmill.llm import LLM
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

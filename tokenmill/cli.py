@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--logit-bias", default=None, metavar="JSON",
                      help='token id -> bias in [-100, 100], e.g. \'{"42": -100}\'')
     gen.add_argument("--bad-words", nargs="+", default=None, metavar="WORD", help="words never generated")
+    gen.add_argument("--structured-outputs", default=None, metavar="JSON",
+                     help='the output must fit: one of json (a schema), regex, choice, grammar or json_object, '
+                          'e.g. \'{"regex": "[0-9]{3}"}\' (vLLM\'s StructuredOutputsParams)')
     add_engine_args(gen)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -216,8 +219,8 @@ def _serve(args: argparse.Namespace) -> int:
                  log_level=args.log_level.lower(), access_log=not args.disable_access_log)
 
 
-def _logit_bias(value: str | None) -> dict | None:
-    """The JSON object as it is: SamplingParams checks its keys and values."""
+def _json_object(flag: str, value: str | None, expected: str) -> dict | None:
+    """The flag's JSON object as it is (SamplingParams checks its keys and values)."""
     if value is None:
         return None
     try:
@@ -225,19 +228,32 @@ def _logit_bias(value: str | None) -> dict | None:
     except json.JSONDecodeError:
         out = None
     if not isinstance(out, dict):
-        raise ValueError(f"--logit-bias: expected a JSON object of token id -> number, got {value!r}")
+        raise ValueError(f"{flag}: expected a JSON object {expected}, got {value!r}")
     return out
+
+
+def _structured_outputs(value: str | None):
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    spec = _json_object("--structured-outputs", value, 'such as \'{"regex": "[0-9]+"}\'')
+    if spec is None:
+        return None
+    try:
+        return StructuredOutputsParams(**spec)
+    except TypeError as e:  # an unknown key
+        raise ValueError(f"--structured-outputs: {e}") from e
 
 
 def _generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine import Engine
     from tokenmill.sampling_params import SamplingParams
 
-    bias = _logit_bias(args.logit_bias)
+    bias = _json_object("--logit-bias", args.logit_bias, "of token id -> number")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                            logit_bias=bias, bad_words=args.bad_words)
+                            logit_bias=bias, bad_words=args.bad_words,
+                            structured_outputs=_structured_outputs(args.structured_outputs))
     engine = Engine(EngineConfig(**engine_kwargs(args)))
     request, text = engine.make_request(args.prompt, params)
     engine.add_request(request, text)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0
@@ -17,6 +19,66 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrains the output to a JSON schema, any JSON object, a regular expression, one of
+    some strings, or a grammar (vLLM's names; exactly one of them). Checked on construction
+    (a malformed or unsupported one raises ParamError naming `structured_outputs`); the
+    engine compiles it against the tokenizer off its thread, once per distinct spec, and
+    masks every step's logits with it (llguidance)."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or GBNF as llama.cpp writes it
+    json_object: bool = False  # any JSON object
+    # JSON without optional whitespace. True by default here (vLLM: False): a model given free
+    # whitespace between JSON tokens can spend its whole budget on it (small ones do)
+    disable_any_whitespace: bool = True
+    whitespace_pattern: str | None = None  # JSON: the regex of the whitespace allowed between tokens
+    _grammar: str = field(default="", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        import llguidance
+
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ParamError("structured_outputs", "structured_outputs: exactly one of json, regex, choice, grammar "
+                             f"and json_object must be given, got {given or 'none'}")
+        kind = given[0]
+        try:
+            if kind in ("json", "json_object"):
+                schema = self.json if kind == "json" else {"type": "object"}
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+                options: dict[str, Any] = {"whitespace_flexible": not self.disable_any_whitespace}
+                if self.whitespace_pattern is not None:
+                    options = {"whitespace_pattern": self.whitespace_pattern}
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+            elif kind == "choice":
+                if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                    raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
+                grammar = llguidance.grammar_from("choice", list(self.choice))
+            elif not isinstance(getattr(self, kind), str):
+                raise ValueError(f"{kind} must be a string, got {type(getattr(self, kind)).__name__}")
+            else:
+                grammar = llguidance.grammar_from("regex" if kind == "regex" else "grammar", getattr(self, kind))
+            error = llguidance.LLMatcher.validate_grammar(grammar)
+        except (ValueError, TypeError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
+            error = str(e)
+        if error:
+            raise ParamError("structured_outputs", f"structured_outputs: the {kind} is not usable: {error.strip()}")
+        self._grammar = grammar
+
+    @property
+    def compiled_form(self) -> str:
+        """The grammar as the engine compiles it (llguidance's form); equal specs give equal strings."""
+        return self._grammar
 
 
 @dataclass(slots=True)
@@ -52,6 +114,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: tokens in the prompt or output, / p if > 0 else x p
     logit_bias: dict[int, float] | None = None  # token id (int, or digits as JSON has them) -> added, -100..100
     bad_words: list[str] | None = None  # never generated (as any of their tokenizations)
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +181,9 @@ class SamplingParams:
         if any(not isinstance(w, str) or not w.strip() for w in words):
             raise ParamError("bad_words", f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         self.bad_words = words or None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ParamError("structured_outputs", "structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.temperature < _GREEDY_EPS:
             # greedy ignores the filters; normalising them keeps the sampler's fast path simple
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0

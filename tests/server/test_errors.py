@@ -57,6 +57,24 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    # structured outputs: a malformed or unsupported schema, regex or grammar names its field
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "structural_tag"}}, 400,
+     "response_format.type"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"properties": {"a": {"$ref": "#/nowhere"}}}}}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "(abc"}, 400, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": "start: nothing_here"}, 400, "guided_grammar"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "x", "guided_json": "{oops"}, 400, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, 400,
+     "structured_outputs.structural_tag"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+     400, "guided_regex"),
 ]
 
 

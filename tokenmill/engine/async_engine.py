@@ -98,7 +98,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: queued in the engine plus those still on their way to it."""
-        return self.engine.scheduler.num_waiting + max(0, self._num_inbox_adds - self._num_taken)
+        return self.engine.num_waiting + max(0, self._num_inbox_adds - self._num_taken)
 
     def check_capacity(self, num_new: int) -> None:
         """Raises QueueFullError when `num_new` more waiting requests would pass the bound."""
@@ -222,9 +222,8 @@ class AsyncEngine:
                 stream.put_nowait(out)
 
     def _fail_in_flight(self, message: str) -> list[RequestOutput]:
-        # one per request as its caller knows it, not one per forked sequence
-        requests = {r.group_id: r.parent or r for r in self.engine.scheduler.requests.values()}
-        return [self.engine.fail_request(r, message) for r in requests.values()]
+        # one per request as its caller knows it (not one per forked sequence), compiling or not
+        return [self.engine.fail_request(r, message) for r in self.engine.unfinished_requests()]
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -10,12 +10,14 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from tokenmill.engine.grammar import Grammars
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus,
                                      TokenLogprobs)
@@ -66,7 +68,8 @@ class _Tracked:
 
 def _check_without_tokenizer(params: SamplingParams) -> None:
     """What needs text cannot run under skip_tokenizer_init: raises ParamError naming it."""
-    for name, needs_text in (("stop", params.stop_strings), ("bad_words", params.bad_words)):
+    for name, needs_text in (("stop", params.stop_strings), ("bad_words", params.bad_words),
+                             ("structured_outputs", params.structured_outputs)):
         if needs_text:
             raise ParamError(name, f"{name}: needs a tokenizer, and this engine runs with skip_tokenizer_init "
                              "(stop_token_ids work without one)")
@@ -102,6 +105,8 @@ class Engine:
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None
                                                                   else set())))
         self._tracked: dict[str, _Tracked] = {}
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids) if self.tokenizer else None
+        self._compiling: dict[str, tuple[Request, Future]] = {}  # structured outputs: waiting for their grammar
         self._ids = itertools.count()
         self.total_steps = 0
         logger.info("model %s (%s, %s on %s, attention %s) loaded in %.2fs; KV cache: %d blocks x %d = %d tokens; "
@@ -158,6 +163,7 @@ class Engine:
         request = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time)
         if self.tokenizer is None:
             _check_without_tokenizer(params)
+
         if params.bad_words:
             request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return request, text
@@ -175,8 +181,15 @@ class Engine:
 
     def add_request(self, request: Request, prompt: str | None = None, final_only: bool = False) -> None:
         """Queues a request. With final_only, step() returns its output once, when it
-        finishes (as vLLM's FINAL_ONLY): no per-step output objects for offline batches."""
-        self.scheduler.add_request(request)
+        finishes (as vLLM's FINAL_ONLY): no per-step output objects for offline batches.
+        A request with structured outputs reaches the scheduler once its grammar is compiled."""
+        if request.request_id in self._tracked:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:
+            self._compiling[request.request_id] = (request, self.grammars.compile(spec))
+        else:
+            self.scheduler.add_request(request)
         self._tracked[request.request_id] = _Tracked(request, prompt, [self._new_seq(request)], final_only)
 
     def _new_seq(self, request: Request) -> _Seq:
@@ -209,7 +222,9 @@ class Engine:
             self.scheduler.finish_request(request_id, status)
             return None
         for seq in tracked.seqs:
-            self.scheduler.finish_request(seq.request.request_id, status)
+            q = seq.request
+            if self.scheduler.finish_request(q.request_id, status) is None and not q.is_finished:
+                q.status, q.finish_time = status, time.time()  # it was waiting for its grammar
         self._forget(tracked)
         tracked.request.error = error
         seq = tracked.seqs[0]
@@ -217,18 +232,48 @@ class Engine:
         return self._snapshot(tracked, tracked.seqs[:1], text, [], finished=True)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued, or waiting for their grammar."""
+        return self.scheduler.num_waiting + len(self._compiling)
+
+    def unfinished_requests(self) -> list[Request]:
+        """Every request in flight, as its caller knows it (not its forked sequences)."""
+        return [tracked.request for tracked in self._tracked.values()]
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready go to the scheduler; one that failed to compile ends."""
+        outputs = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            error = future.exception()
+            if error is not None:
+                outputs.append(self.fail_request(request, str(error)))
+                continue
+            self.grammars.start(request, future.result())
+            self.scheduler.add_request(request)
+        return outputs
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns outputs for the sequences that got new tokens or
         finished, one per sequence (for a final_only request: one for all of them, when the
         last finishes). A request's last output of the step says whether it has finished."""
+        compiled = self._admit_compiled() if self._compiling else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        result = self.runner.execute(sched)
+            if self._compiling:  # nothing to run until a grammar is ready: wait for one, briefly
+                wait([future for _, future in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            return compiled
+        mask = self.grammars.bitmask(sched.sampling_requests) if self.grammars is not None else None
+        result = self.runner.execute(sched, mask)
         changed = self.scheduler.update(sched, result)
+        if mask is not None:
+            self._advance_grammars(changed)
         self.total_steps += 1
         groups: dict[str, tuple[_Tracked, list[_Seq]]] = {}
         for request in changed:
@@ -240,7 +285,7 @@ class Engine:
             if request.index == len(tracked.seqs):  # forked this step (they come in index order)
                 tracked.seqs.append(self._new_seq(request))
             groups.setdefault(request.group_id, (tracked, []))[1].append(tracked.seqs[request.index])
-        outputs = []
+        outputs = compiled
         for tracked, seqs in groups.values():
             try:
                 outputs.extend(self._outputs(tracked, seqs))
@@ -255,6 +300,20 @@ class Engine:
             if tracked.finished:
                 self._forget(tracked)
         return outputs
+
+    def _advance_grammars(self, changed: list[Request]) -> None:
+        """Each constrained sequence's matcher follows its new token; a complete output stops."""
+        for request in changed:
+            if request.grammar is None or request.is_finished:
+                continue
+            verdict = self.grammars.accept(request)
+            if verdict is None:
+                continue
+            if verdict == "stop":
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            else:
+                request.error = verdict
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
 
     def _outputs(self, tracked: _Tracked, seqs: list[_Seq]) -> list[RequestOutput]:
         """The outputs of one request's changed sequences this step."""
@@ -284,6 +343,7 @@ class Engine:
         for seq in tracked.seqs:
             self.runner.release(seq.request.request_id)
         self._tracked.pop(tracked.request.request_id, None)
+        self._compiling.pop(tracked.request.request_id, None)
 
     def _detokenize(self, seq: _Seq) -> None:
         """Feeds the new output tokens to the detokenizer; a stop string ends the sequence."""
@@ -352,7 +412,7 @@ class Engine:
         kv = self.kv_cache
         return {
             "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            "num_waiting": self.num_waiting,
             "kv_cache_usage": kv.usage,
             "prefix_cache_hit_rate": kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
             "prefix_cache_queries": kv.prefix_queries,

@@ -48,7 +48,7 @@ class Request:
                  "status", "stop_reason", "error", "logprobs", "max_tokens", "eos_token_ids",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "last_token_time", "bad_words_token_ids", "prompt_logprobs", "parent", "index",
-                 "num_forks", "cumulative_logprob")
+                 "num_forks", "cumulative_logprob", "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
@@ -83,6 +83,8 @@ class Request:
         self.index = 0
         self.num_forks = sampling_params.num_sequences - 1
         self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs are computed
+        # structured outputs: the grammar's matcher (llguidance), set by the engine once compiled
+        self.grammar = None
 
     def fork(self, index: int) -> Request:
         """Sequence `index` of this request's group, at the end of its prefill: the same prompt
@@ -100,6 +102,8 @@ class Request:
         child.status = RequestStatus.RUNNING
         child.first_scheduled_time = self.first_scheduled_time
         child.bad_words_token_ids = self.bad_words_token_ids
+        if self.grammar is not None:  # forked before the parent's first token: the same state
+            child.grammar = self.grammar.deep_copy()
         return child
 
     @property

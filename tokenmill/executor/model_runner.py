@@ -78,8 +78,11 @@ class ModelRunner:
         self.penalties.release(request_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step: the sampled tokens, and the prompt logprobs of the chunks that want them."""
+    def execute(self, out: SchedulerOutput, grammar_mask: tuple[list[int], np.ndarray] | None = None
+                ) -> ModelRunnerOutput:
+        """Runs one step: the sampled tokens, and the prompt logprobs of the chunks that want them.
+        `grammar_mask`: (rows, packed allowed-token bits) of the sampling rows that have a
+        grammar (structured outputs; Grammars.bitmask)."""
         bs = self.block_size
         query_lens = np.array(out.num_scheduled_tokens, dtype=np.int32)
         computed = np.array(out.num_computed_tokens, dtype=np.int64)
@@ -114,6 +117,9 @@ class ModelRunner:
         if out.forked or len(logits_rows) != len(hidden):
             hidden = hidden[self.staging.to_device(logits_rows)]
         batch = self._sampling_batch(sampling)
+        if grammar_mask is not None:
+            rows, bits = grammar_mask
+            batch.grammar = (self.staging.to_device(np.array(rows, dtype=np.int64)), self.staging.to_device(bits))
         self.staging.end()
         return ModelRunnerOutput(self.sampler(self.model.compute_logits(hidden), batch), prompt_logprobs)
 

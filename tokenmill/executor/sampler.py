@@ -1,5 +1,6 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
-banned tokens, logit bias and penalties (executor/penalties.py).
+banned tokens, logit bias and penalties (executor/penalties.py), and the token masks of
+structured outputs (engine/grammar.py).
 
 One pass over the [N, vocab] logits for the whole batch; per-request settings
 arrive as small tensors built once per step. Greedy rows take the argmax (on the
@@ -23,6 +24,9 @@ from tokenmill.engine.request import TokenLogprobs
 from tokenmill.executor.penalties import PenaltyBatch, apply_bias, apply_penalties
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's: what a masked token's logprob (-inf) is reported as
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row settings for one step, host lists turned into tensors by the runner."""
@@ -39,6 +43,7 @@ class SamplingBatch:
     max_logprobs: int  # -1 when no row wants logprobs
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values): logit_bias
     penalties: PenaltyBatch | None = None  # rows with presence / frequency / repetition penalties
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, int32 bits of allowed tokens): structured
 
 
 class Sampler:
@@ -54,6 +59,8 @@ class Sampler:
         """logits: [N, vocab] in the model's dtype. Returns (token id, logprobs or None) per row."""
         if batch.max_logprobs >= 0 or not batch.all_greedy or batch.bias is not None or batch.penalties is not None:
             logits = logits.float()  # greedy alone needs no widening: bf16 -> f32 keeps the order
+        if batch.grammar is not None:  # before the logprobs: they are those of the constrained distribution
+            apply_token_bitmask(logits, *batch.grammar)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         if batch.banned is not None:
             # the value as a device tensor: a Python scalar would be copied over, blocking
@@ -115,9 +122,10 @@ class Sampler:
 
     def _with_logprobs(self, ids: torch.Tensor, logprobs: torch.Tensor,
                        batch: SamplingBatch) -> list[tuple[int, TokenLogprobs | None]]:
-        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).clamp(min=LOGPROB_FLOOR)
         k = batch.max_logprobs
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (chosen, ids)
+        top_vals = top_vals.clamp(min=LOGPROB_FLOOR)  # a masked token's -inf: JSON has no infinity
         # ids, their logprobs and the top-k come back together: still one host sync
         token_ids, chosen, top_vals, top_ids = (t.tolist() for t in self.to_host(ids, chosen, top_vals, top_ids))
         out: list[tuple[int, TokenLogprobs | None]] = []
@@ -128,6 +136,19 @@ class Sampler:
             top = list(zip(top_ids[row][:n], top_vals[row][:n])) if n > 0 else []
             out.append((token, (token, chosen[row], top)))
         return out
+
+
+_BIT = {}  # device -> [32] int32: 1 << bit
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
+    """Sets -inf where a row's mask has a 0 bit: bit t % 32 of word t // 32 of bits[k] says
+    whether token t is allowed in logits[rows[k]]. One pass for the batch's constrained rows."""
+    shifts = _BIT.get(bits.device)
+    if shifts is None:
+        shifts = _BIT[bits.device] = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(bits), -1)[:, :logits.shape[1]].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -5,7 +5,8 @@ OpenAI clients send (`user`, `metadata`, ...) are ignored. Fields that would
 change the output but are not implemented are rejected with a 400, not ignored.
 Extensions follow vLLM's names: `top_k`, `min_p`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
-`repetition_penalty`, `bad_words`, `prompt_logprobs`.
+`repetition_penalty`, `bad_words`, `prompt_logprobs`, `structured_outputs` and the older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,32 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchema(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs (exactly one of json, regex, choice, grammar, json_object)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # structural_tag and others: not supported
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat. None means the default."""
 
@@ -76,6 +103,13 @@ class _SamplingRequest(_Strict):
     bad_words: list[str] | None = Field(None, description="extension (vLLM): words never generated")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                         description="extension (vLLM): top-N logprobs of every prompt token")
+    response_format: ResponseFormat | None = Field(None, description="json_object, or json_schema with its schema")
+    structured_outputs: StructuredOutputs | None = Field(None, description="extension (vLLM)")
+    guided_json: str | dict[str, Any] | None = Field(None, description="extension (vLLM, older name)")
+    guided_regex: str | None = Field(None, description="extension (vLLM, older name)")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM, older name)")
+    guided_grammar: str | None = Field(None, description="extension (vLLM, older name): Lark or GBNF")
+    guided_whitespace_pattern: str | None = Field(None, description="extension (vLLM, older name)")
     user: str | None = None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine, QueueFullError
 from tokenmill.engine.request import Request, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from tokenmill.server.protocol import APIError, _SamplingRequest
 
 
@@ -63,7 +63,8 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=req.logit_bias, bad_words=req.bad_words,
-                prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
+                prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                structured_outputs=structured_outputs(req))
         except ValueError as e:
             raise bad_request(e) from e
 
@@ -187,6 +188,38 @@ def top_entries(entry: dict[int, float], token: int, top_n: int) -> list[tuple[i
     if token in entry and all(t != token for t, _ in top):
         top.append((token, entry[token]))
     return top
+
+
+def structured_outputs(req: _SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever field gives it: OpenAI's
+    response_format, vLLM's structured_outputs, or vLLM's older guided_* fields. A bad one is
+    a 400 naming the field it came in."""
+    given: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format: type json_schema needs json_schema.schema", param="response_format")
+        given.append(("response_format", {"json": fmt.json_schema.schema_}))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs.model_dump(by_alias=True, exclude_none=True)))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given.append((name, {key: getattr(req, name)}))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(400, f"{given[1][0]}: only one output constraint per request, and {given[0][0]} gives one "
+                       "already", param=given[1][0])
+    param, spec = given[0]
+    if req.guided_whitespace_pattern is not None:
+        spec.setdefault("whitespace_pattern", req.guided_whitespace_pattern)
+    try:
+        return StructuredOutputsParams(**spec)
+    except ParamError as e:
+        raise APIError(400, f"{param}: {str(e).removeprefix('structured_outputs: ')}", param=param) from e
 
 
 def bad_request(e: ValueError, prompt_param: str = "prompt", index: int | None = None) -> APIError:
