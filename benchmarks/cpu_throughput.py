@@ -1,6 +1,6 @@
 """CPU throughput benchmarks of the engine core, each a ratio measured in one run.
 
-    python benchmarks/cpu_throughput.py [--only hf,static,prefix,prompts,memory,penalties,parallel,structured]
+    python benchmarks/cpu_throughput.py [--only hf,static,prefix,prompts,memory,penalties,parallel,structured,int8]
                                         [--output-json FILE]
 
 hf      tokenmill vs Hugging Face transformers `generate` with static batches (its best
@@ -26,6 +26,11 @@ structured  16 concurrent requests whose output must fit a JSON schema (an array
         sampled, on the built-in model (vocab 8192, the forward is cheapest there, so the mask
         weighs most) and on the 56M model (vocab 32000); rounds in turn, median ratio of
         output tokens/s. Target: >= 0.85.
+int8    W8A8 INT8 (quantization="int8", made on load) vs the 16-bit model (bf16 where the CPU
+        has it natively, else float32: what `dtype="auto"` runs), output tokens/s, rounds in
+        turn: the 56M model with the hf workload (64 requests, 32..256 in and out), and a
+        wide dummy model (hidden 2048, intermediate 5632, 16 heads, 8 KV heads, 4 layers,
+        vocab 32000) with 32 requests, 32..128 in and out. Targets: >= 1.5x and >= 1.6x.
 """
 
 from __future__ import annotations
@@ -264,6 +269,41 @@ def bench_structured(path: Path, args) -> dict:
     return out
 
 
+SHAPE_WIDE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)
+
+
+def bench_int8(path: Path, args) -> dict:
+    from transformers import LlamaConfig
+
+    wide = path.parent / "llama-wide"
+    LlamaConfig(**SHAPE_WIDE, bos_token_id=0, eos_token_id=0).save_pretrained(wide)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (wide / f).write_bytes((path / f).read_bytes())
+    cases = (("56m", path, {}, random_requests(64, (32, 256), (32, 256), SHAPE_56M["vocab_size"], seed=0)),
+             ("wide", wide, {"load_format": "dummy"}, random_requests(32, (32, 128), (32, 128), 32000, seed=1)))
+    out = {}
+    for name, model, load, requests in cases:
+        runs = {"16-bit": [], "int8": []}
+        llms = {"16-bit": LLM(str(model), **load), "int8": LLM(str(model), quantization="int8", **load)}
+        dtype = str(llms["16-bit"].engine.dtype).removeprefix("torch.")
+        for llm in llms.values():
+            run_throughput(llm, requests[:4], use_tqdm=False)  # warm-up
+        for _ in range(args.int8_rounds):
+            for key, llm in llms.items():
+                runs[key].append(run_throughput(llm, requests, use_tqdm=False).output_throughput)
+        ratios = [b / a for a, b in zip(runs["16-bit"], runs["int8"])]
+        ratio = statistics.median(ratios)
+        target = 1.5 if name == "56m" else 1.6
+        print(f"[int8] {name} model, {len(requests)} requests: {statistics.median(runs['16-bit']):.0f} tok/s in "
+              f"{dtype}, {statistics.median(runs['int8']):.0f} with W8A8 int8: {ratio:.2f}x (median of "
+              f"{len(ratios)} rounds; target {target}x)")
+        out[name] = {"dtype": dtype, **runs, "ratios": ratios, "ratio": ratio, "target": target}
+        del llms
+        gc.collect()
+    return out
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -289,7 +329,7 @@ def bench_memory(path: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="hf,static,prefix,prompts,memory,penalties,parallel,structured")
+    parser.add_argument("--only", default="hf,static,prefix,prompts,memory,penalties,parallel,structured,int8")
     parser.add_argument("--hf-rounds", type=int, default=3, help="rounds of tokenmill vs HF at HF's best batch size")
     parser.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
     parser.add_argument("--static-requests", type=int, default=96)
@@ -301,6 +341,7 @@ def main() -> None:
     parser.add_argument("--parallel-output-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     parser.add_argument("--structured-rounds", type=int, default=3)
     parser.add_argument("--structured-output-len", type=int, default=128)
+    parser.add_argument("--int8-rounds", type=int, default=3)
     parser.add_argument("--output-json", default="bench_results/cpu_throughput.json")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
@@ -311,7 +352,7 @@ def main() -> None:
             results[name] = {"hf": bench_hf, "static": bench_static, "prefix": bench_prefix,
                              "prompts": bench_prompts, "memory": bench_memory,
                              "penalties": bench_penalties, "parallel": bench_parallel,
-                             "structured": bench_structured}[name](path, args)
+                             "structured": bench_structured, "int8": bench_int8}[name](path, args)
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(results, indent=2))
     print(f"results written to {args.output_json}")

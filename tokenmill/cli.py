@@ -1,4 +1,5 @@
-"""tokenmill command line: `tokenmill serve`, `tokenmill generate`, `tokenmill bench throughput|serve|sweep|sla`."""
+"""tokenmill command line: `tokenmill serve`, `tokenmill generate`, `tokenmill quantize`,
+`tokenmill bench throughput|serve|sweep|sla`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.vllm_args import add_vllm_args, add_vllm_serve_args
@@ -43,6 +45,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--attention-backend": ("attention_backend", dict(default="auto", choices=["auto", "cpu", "torch", "triton"],
                                                       help="auto: triton on CUDA, the native kernels on the CPU")),
     "--enforce-eager": ("enforce_eager", dict(action="store_true", help="CUDA: no CUDA graphs for decode steps")),
+    "--quantization": ("quantization", dict(default="auto", choices=["auto", "none", "int8", "compressed-tensors"],
+                                            help="int8: W8A8 on load (CPU); auto: the checkpoint's own")),
 }
 
 
@@ -133,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
                           'e.g. \'{"regex": "[0-9]{3}"}\' (vLLM\'s StructuredOutputsParams)')
     add_engine_args(gen)
 
+    quant = sub.add_parser("quantize", help="write a 16-bit checkpoint as a compressed-tensors one (8-bit weights)")
+    quant.add_argument("--model", required=True, help="the 16-bit checkpoint directory")
+    quant.add_argument("--scheme", required=True, choices=["w8a8-int8", "fp8-dynamic"],
+                       help="w8a8-int8: int8 weights per channel, int8 activations per token (dynamic); "
+                            "fp8-dynamic: the same in float8_e4m3fn (llm-compressor's W8A8 and FP8_DYNAMIC)")
+    quant.add_argument("--output", required=True, help="the directory to write")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput on random-token prompts")
@@ -189,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "quantize":
+            return _quantize(args)
         if args.bench_command == "serve":
             from tokenmill.bench.serve import bench_serve
             return bench_serve(args)
@@ -263,6 +276,15 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from tokenmill.executor.layers.quantization.checkpoint import quantize_checkpoint
+    from tokenmill.executor.loader import resolve_model_path
+
+    count = quantize_checkpoint(resolve_model_path(args.model), args.scheme, Path(args.output))
+    print(f"{count} linear layers quantized ({args.scheme}); written to {args.output}")
     return 0
 
 

@@ -62,6 +62,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | torch | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    quantization: str = "auto"  # auto (the checkpoint's quantization_config, else none) | none | int8
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -70,6 +71,7 @@ class EngineConfig:
         _one_of("scheduler", self.scheduler, ("continuous", "static"))
         _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _one_of("attention_backend", self.attention_backend, ("auto", "cpu", "torch", "triton"))
+        _one_of("quantization", self.quantization, ("auto", "none", "int8", "compressed-tensors"))
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("block_size", self.block_size, 1)
         if self.block_size > 256 or self.block_size & (self.block_size - 1):
@@ -131,6 +133,7 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
     sliding_window: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quantization_config: dict[str, Any] | None = None  # config.json's, as the checkpoint has it
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -180,6 +183,7 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
             eos_token_ids=eos_ids,
+            quantization_config=cfg.get("quantization_config"),
         )
 
     @classmethod

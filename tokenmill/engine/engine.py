@@ -109,9 +109,10 @@ class Engine:
         self._compiling: dict[str, tuple[Request, Future]] = {}  # structured outputs: waiting for their grammar
         self._ids = itertools.count()
         self.total_steps = 0
-        logger.info("model %s (%s, %s on %s, attention %s) loaded in %.2fs; KV cache: %d blocks x %d = %d tokens; "
-                    "prefix caching %s; max_model_len %d", self.model_path, mc.architecture,
-                    str(self.dtype).removeprefix("torch."), self.device, self.runner.attn.name, self.runner.load_time,
+        logger.info("model %s (%s, %s on %s, attention %s, quantization %s) loaded in %.2fs; KV cache: %d blocks "
+                    "x %d = %d tokens; prefix caching %s; max_model_len %d", self.model_path, mc.architecture,
+                    str(self.dtype).removeprefix("torch."), self.device, self.runner.attn.name,
+                    self.runner.quant.name if self.runner.quant else "none", self.runner.load_time,
                     self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
                     "on" if config.enable_prefix_caching else "off", self.max_model_len)
 

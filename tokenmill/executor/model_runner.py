@@ -23,6 +23,7 @@ from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.cuda_graphs import CudaGraphRunner
+from tokenmill.executor.layers.quantization import resolve_quantization
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.memory import num_kv_blocks
 from tokenmill.executor.penalties import PenaltyState
@@ -50,9 +51,10 @@ class ModelRunner:
         # what torch holds already in this process (another engine, a reference model): not ours
         self.memory_baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
+        self.quant = resolve_quantization(config.quantization, model_config.quantization_config, device, kernels)
         self.model = load_model(model_path, model_config, config.load_format, dtype, device,
                                 max_position=max(max_model_len, model_config.max_position_embeddings),
-                                seed=config.seed, kernels=kernels)
+                                seed=config.seed, kernels=kernels, quant=self.quant)
         self.load_time = time.perf_counter() - t0
         self.staging = Staging(device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed), device, kernels)

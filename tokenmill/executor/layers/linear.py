@@ -13,9 +13,12 @@ from torch.nn import functional as F
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), whose output rows may be split into named shards."""
+    """y = x W^T (+ b), whose output rows may be split into named shards. With a
+    `quant_method` (layers/quantization), the method declares what the layer loads, packs
+    it after loading and runs the layer."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int] | int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, shard_sizes: dict[str, int] | int, bias: bool = False,
+                 quant_method=None) -> None:
         super().__init__()
         if isinstance(shard_sizes, int):
             shard_sizes = {"": shard_sizes}
@@ -28,15 +31,24 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quant_method = quant_method
+        if quant_method is not None:
+            quant_method.create_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:
         """Switches to oneDNN's packed layout once weights are loaded, where it pays: CPU,
-        16-bit weights (15-40% faster on small batches). This module's plain copy is dropped."""
+        16-bit weights (15-40% faster on small batches). This module's plain copy is dropped.
+        A quantized layer packs as its method says."""
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
+            return
         w = self.weight
         if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16) \
                 and torch.backends.mkldnn.is_available():
@@ -47,7 +59,7 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
-        param = self.weight if param_name == "weight" else self.bias
+        param = self._parameters.get(param_name)  # weight, bias, and what a quantization method adds
         if param is None:
             raise ValueError(f"checkpoint has a {param_name} for a layer built without one")
         start, size = self.shard_offsets[shard]

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention.base import AttentionBackend
 from tokenmill.executor.layers.linear import Linear
+from tokenmill.executor.layers.quantization import QuantConfig
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import Rope, RotaryEmbedding
 
@@ -25,14 +26,25 @@ _FUSED = {
 }
 
 
+def _method(quant: QuantConfig | None, name: str):
+    """The quantization method of the layer `name`, told which checkpoint layers it fuses."""
+    if quant is None:
+        return None
+    shards = tuple(k for k, (target, _) in _FUSED.items() if target == name.rsplit(".", 1)[1])
+    return quant.linear_method(name, shards)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        prefix = f"model.layers.{layer}.self_attn"
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=cfg.qkv_bias,
+                               quant_method=_method(quant, f"{prefix}.qkv_proj"))
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias, quant_method=_method(quant, f"{prefix}.o_proj"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.splits = [q_size, kv_size, kv_size]
@@ -50,12 +62,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: ModuleType | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.kernels = kernels
+        prefix = f"model.layers.{layer}.mlp"
         self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
-                                   bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+                                   bias=cfg.mlp_bias, quant_method=_method(quant, f"{prefix}.gate_up_proj"))
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                quant_method=_method(quant, f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -66,10 +81,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer, kernels)
-        self.mlp = LlamaMLP(cfg, kernels)
+        self.self_attn = LlamaAttention(cfg, layer, kernels, quant)
+        self.mlp = LlamaMLP(cfg, layer, kernels, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
@@ -87,14 +103,16 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`kernels`: the native CPU kernels when built for the CPU (None: torch ops, as on CUDA);
-    every layer picks its implementation once, here."""
+    every layer picks its implementation once, here. `quant`: the linear layers'
+    quantization (the LM head and embeddings stay unquantized)."""
 
-    def __init__(self, cfg: ModelConfig, max_position: int, kernels: ModuleType | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, kernels: ModuleType | None = None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels, quant) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
@@ -128,6 +146,11 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
+                continue
+            if name.endswith("_zero_point"):  # quantized checkpoints: symmetric schemes store zeros
+                if tensor.any():
+                    raise ValueError(f"checkpoint tensor {name}: nonzero zero points (asymmetric quantization) "
+                                     "are not supported")
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue  # tied: the embedding is the head

@@ -1,0 +1,194 @@
+"""INT8 W8A8 linear layers (layers/quantization/int8.py) against exact integer arithmetic,
+the native row-scaling kernel against its torch form, and the engine with quantization on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import DEFAULT_MODEL_DIR, EngineConfig
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
+from tokenmill.executor.layers.linear import Linear
+from tokenmill.executor.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel, scale_rows
+
+pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
+                                reason="int8 runs on fbgemm (x86-64)")
+
+
+def exact_w8a8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-token x per-channel symmetric int8, multiplied exactly (in float64)."""
+    qw, sw = quantize_per_channel(w)
+    amax = x.abs().amax(dim=1, keepdim=True)
+    sx = amax / 127.0
+    qx = torch.round(x / sx).clamp(-127, 127)
+    return ((qx.double() @ qw.double().t()) * sx.double() * sw.double()).float()
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (7, 512, 1024), (64, 1408, 512)])
+@pytest.mark.parametrize("kernels", [True, False], ids=["native", "torch"])
+def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, kernels):
+    gen = torch.Generator().manual_seed(rows + k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 3] *= 20  # an outlier channel, as real activations have
+    bias = torch.randn(n, generator=gen)
+    layer = Linear(k, n, bias=True, quant_method=Int8LinearMethod(load_cpu_kernels() if kernels else None))
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(bias)
+    layer.pack()
+    assert layer.weight.numel() == 0  # the float copy is gone
+    y = layer(x)
+    exact = exact_w8a8(x, w) + bias
+    ref = F.linear(x, w, bias)
+    # fbgemm's u8 x s8 pairs may saturate at int16 on CPUs without VNNI: a little off exact
+    assert (y - exact).norm() / exact.norm() < 0.03
+    assert (y - ref).norm() / ref.norm() < 0.05
+
+
+def test_native_row_scaling_equals_torch():
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no native kernels")
+    x = torch.randn(9, 300, dtype=torch.float32)
+    x[4] = 0.0  # an all-zero row: scale 1, values 0
+    for dtype in (torch.float32, torch.bfloat16):
+        got, got_scale = scale_rows(x.to(dtype), kernels)
+        want, want_scale = scale_rows(x.to(dtype), None)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(got_scale, want_scale)
+        assert got.abs().amax() <= 127.0 + 1e-4
+
+
+def test_engine_with_int8_stays_close_to_float():
+    """The built-in model quantized on load: most greedy tokens equal float32's, the LM head
+    stays unquantized, and preemption and prefix caching work as before."""
+    prompts = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ref = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_memory="16MiB")
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_memory="1MiB", quantization="int8")
+    model = llm.engine.runner.model
+    assert model.lm_head.quant_method is None and model.layers[0].mlp.down_proj.quant_method is not None
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts * 3, params, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv_cache.prefix_hits > 0
+    assert got[:4] == got[4:8] == got[8:]  # preempted, recomputed, prefix hits: the same tokens
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    assert same / (len(prompts) * 24) >= 0.8
+
+
+def test_bad_quantization_is_named(tmp_path):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8"):
+        EngineConfig(quantization="int4")
+    ckpt = tmp_path / "quantized"
+    shutil.copytree(DEFAULT_MODEL_DIR, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantization_config: .*'gptq'"):
+        LLM(str(ckpt), kv_cache_memory="1MiB")
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """The built-in model written by `tokenmill quantize` in both schemes."""
+    from tokenmill.cli import main
+
+    root = tmp_path_factory.mktemp("quantized")
+    for scheme in ("w8a8-int8", "fp8-dynamic"):
+        assert main(["quantize", "--model", str(DEFAULT_MODEL_DIR), "--scheme", scheme,
+                     "--output", str(root / scheme)]) == 0
+    return root
+
+
+@pytest.mark.parametrize("scheme, fmt, dtype", [("w8a8-int8", "int-quantized", torch.int8),
+                                                ("fp8-dynamic", "float-quantized", torch.float8_e4m3fn)])
+def test_quantize_writes_the_compressed_tensors_format(quantized, scheme, fmt, dtype):
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    cfg = json.loads((quantized / scheme / "config.json").read_text())["quantization_config"]
+    QuantizationConfig.model_validate(cfg)  # the format's own schema
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == fmt and cfg["ignore"] == ["lm_head"]
+    assert cfg["quantization_status"] == "compressed"
+    group = cfg["config_groups"]["group_0"]
+    assert group["targets"] == ["Linear"]
+    assert group["weights"]["num_bits"] == 8 and group["weights"]["strategy"] == "channel"
+    assert group["input_activations"]["strategy"] == "token" and group["input_activations"]["dynamic"]
+    with safe_open(str(quantized / scheme / "model.safetensors"), framework="pt") as st:
+        weight = st.get_tensor("model.layers.0.mlp.down_proj.weight")
+        scale = st.get_tensor("model.layers.0.mlp.down_proj.weight_scale")
+        assert weight.dtype == dtype and scale.dtype == torch.float32 and scale.shape == (weight.shape[0], 1)
+        assert st.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16  # untouched
+    assert (quantized / scheme / "tokenizer.json").is_file()
+
+
+def test_a_w8a8_checkpoint_runs_as_int8_on_load(quantized):
+    """Loading the written W8A8 checkpoint gives exactly what quantizing on load gives."""
+    prompts = ["def add(a, b):", "import sys\n"]
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    loaded = LLM(str(quantized / "w8a8-int8"), dtype="float32", kv_cache_memory="4MiB")
+    assert loaded.engine.runner.quant.name == "compressed-tensors"
+    on_load = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_memory="4MiB", quantization="int8")
+    for a, b in zip(loaded.generate(prompts, params, use_tqdm=False), on_load.generate(prompts, params,
+                                                                                       use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "int8-weight-only"])
+def test_fp8_and_weight_only_checkpoints_run_dequantized_on_the_cpu(quantized, tmp_path, scheme):
+    prompts = ["def add(a, b):", "class Stack:"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ref = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_memory="4MiB")
+    path = quantized / scheme if scheme == "fp8-dynamic" else _edit_quantization_config(
+        quantized / "w8a8-int8", tmp_path / scheme, lambda q: q["config_groups"]["group_0"].pop("input_activations"))
+    fp8 = LLM(str(path), dtype="float32", kv_cache_memory="4MiB")
+    layer = fp8.engine.runner.model.layers[0].mlp.down_proj
+    assert layer.weight.dtype == torch.float32 and not hasattr(layer, "weight_scale")
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in fp8.generate(prompts, params, use_tqdm=False)]
+    assert sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / 48 >= 0.75
+
+
+def _edit_quantization_config(src, dst, edit):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4),
+     r"config_groups.group_0.weights: '4-bit int'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=128),
+     r"config_groups.group_0.weights.strategy: 'group"),
+    (lambda q: q["config_groups"]["group_0"]["input_activations"].update(symmetric=False),
+     r"config_groups.group_0.input_activations: .*symmetric=False"),
+    (lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False, strategy="tensor"),
+     r"config_groups.group_0.input_activations: .*dynamic=False"),
+    (lambda q: q.update(format="pack-quantized"), r"quantization_config.format: 'pack-quantized'"),
+])
+def test_unsupported_schemes_are_named_at_load(quantized, tmp_path, edit, message):
+    path = _edit_quantization_config(quantized / "w8a8-int8", tmp_path / "edited", edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), kv_cache_memory="1MiB")
+
+
+def test_a_missing_scale_and_a_second_quantization_are_named(quantized, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "no-scale"
+    shutil.copytree(quantized / "w8a8-int8", path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.weight_scale"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"weights missing .*layers.1.self_attn.qkv_proj.weight_scale#k"):
+        LLM(str(path), kv_cache_memory="1MiB")
+    with pytest.raises(ValueError, match="quantization: 'int8' asks to quantize a checkpoint that is quantized"):
+        LLM(str(quantized / "w8a8-int8"), kv_cache_memory="1MiB", quantization="int8")

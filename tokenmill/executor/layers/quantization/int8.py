@@ -1,0 +1,86 @@
+"""W8A8 INT8 on the CPU: weights int8 per output channel (symmetric), activations int8 per
+token (symmetric, dynamic), the GEMM in fbgemm.
+
+The GEMM was picked by measurement (benchmarks/int8_gemm.py, a 2-core AVX2 CPU without
+VNNI): fbgemm ran the engine's shapes 1.3-7.9x faster than the fp32 dense layer, while
+oneDNN's qlinear (0.1-1.3x) and torch._int_mm (0.01-0.15x) were slower than dense.
+fbgemm quantizes its input with one scale for the whole tensor, so each token's row is
+first scaled to the int8 range by a native kernel (x * 127 / max|x|, the row's scale
+kept); fbgemm then rounds it with scale 1 (zero point 128, its unsigned form), and the
+output is multiplied back by the row scales: per-token quantization through a
+per-tensor GEMM. On CPUs without VNNI, fbgemm's u8 x s8 pairs can saturate at int16; the
+measured error stays within 2% of exact int8 arithmetic (tests/unit/test_quantization.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+
+import torch
+from torch import nn
+
+
+class Int8Config:
+    name = "int8"
+
+    def __init__(self, device: torch.device, kernels: ModuleType | None) -> None:
+        if device.type != "cpu":
+            raise ValueError("quantization: int8 runs on the CPU (fbgemm); on CUDA it is not built yet")
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            raise ValueError("quantization: int8 needs torch's fbgemm engine (x86-64 CPUs), which this torch build "
+                             f"lacks (it has {', '.join(torch.backends.quantized.supported_engines)})")
+        self.kernels = kernels
+
+    def linear_method(self, layer_name: str, shard_names: tuple[str, ...] = ()) -> Int8LinearMethod | None:
+        return None if layer_name.endswith("lm_head") else Int8LinearMethod(self.kernels)
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of w [N, K]: (q int8, scale float32 [N]) with w ~ q * scale."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w.float() / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def scale_rows(x: torch.Tensor, kernels: ModuleType | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x scaled to [-127, 127] per row, float32; the rows' scales [T, 1])."""
+    if kernels is not None and x.stride(-1) == 1:
+        return kernels.scale_rows_int8(x)
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return x.float() / scale, scale
+
+
+class Int8LinearMethod:
+    """The layer loads its 16-bit weight as usual; after loading, it is quantized and packed
+    for fbgemm and the 16-bit copy is dropped. The bias stays in the layer's dtype and is
+    added after the rescale."""
+
+    def __init__(self, kernels: ModuleType | None) -> None:
+        self.kernels = kernels
+
+    def create_weights(self, layer: nn.Module) -> None:
+        layer.packed_int8 = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        qweight, scale = quantize_per_channel(layer.weight.detach())
+        self.pack(layer, qweight, scale)
+
+    def pack(self, layer: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        """fbgemm's packed form of an int8 weight and its per-channel scales."""
+        torch.backends.quantized.engine = "fbgemm"
+        zero_points = torch.zeros(len(scale), dtype=torch.int64)
+        with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; fbgemm still takes them
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero_points, 0)
+        layer.packed_int8 = torch.ops.quantized.linear_prepack(q, None)
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        scaled, row_scale = scale_rows(x, self.kernels)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(scaled, 1.0, 128, layer.packed_int8)
+        y = y.mul_(row_scale)
+        if layer.bias is not None:
+            y = y.add_(layer.bias)
+        return y.to(x.dtype)
