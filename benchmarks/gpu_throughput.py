@@ -17,10 +17,13 @@
              memory roofline: weights plus KV bytes read per step over the copy bandwidth
              measured in this run; graphs vs eager at batch 1; GPU idle time between steps.
 5. llama8b   one Llama-3-8B-shaped run (dummy weights, bfloat16), the same workload.
+6. fp8       the qwen3 run with quantization="fp8" (W8A8 through torch._scaled_mm) against
+             bf16, both with CUDA graphs; and benchmarks/quant_quality.py --schemes fp8 (the
+             built-in model's perplexity, greedy agreement and ast share against bf16).
 
 Targets (issue 14): >= 12,000 output tok/s on an H100; >= 10x HF static and >= 3x HF
 continuous batching; decode steps at batch 64 and 256 within 1.5x of the roofline; graphs
->= 1.5x eager at batch 1. Sections that would run past --budget-s are skipped and say so.
+>= 1.5x eager at batch 1. Issue 16: fp8 >= 1.4x bf16. Sections that would run past --budget-s are skipped and say so.
 Details go to --output-dir (results.json, tests.log); the table is printed last.
 --smoke runs the same code on a tiny shape, on the CPU if there is no GPU, in a minute.
 """
@@ -210,6 +213,28 @@ class Bench:
         r = self.throughput("llama3_8b_graphs", self.big_shape)
         self.rows.append(("Llama-3-8B shape, CUDA graphs: output tok/s", f"{r['output_throughput']:,.0f}", ""))
 
+    # -- 6. FP8 ----------------------------------------------------------------------
+    def fp8(self) -> None:
+        if not _cuda():
+            self.rows.append(("FP8 W8A8", "skipped: no CUDA device", ""))
+            return
+        base = self.results.get("tokenmill_graphs") or self.throughput("tokenmill_graphs", self.shape)
+        fp8 = self.throughput("tokenmill_fp8", self.shape, quantization="fp8")
+        ratio = fp8["output_throughput"] / base["output_throughput"]
+        self.rows.append(("FP8 W8A8 (graphs): output tok/s, vs bf16", f"{fp8['output_throughput']:,.0f}, "
+                          f"{ratio:.2f}x", ">= 1.4x (H100)"))
+        out = self.out / "quant_quality.json"
+        cmd = [sys.executable, "benchmarks/quant_quality.py", "--schemes", "fp8", "--output-json", str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+        (self.out / "quant_quality.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode == 0:
+            q = json.loads(out.read_text())["fp8"]
+            self.results["fp8_quality"] = q
+            self.rows.append(("FP8 perplexity change / greedy agreement / ast vs bf16",
+                              f"{q['perplexity_change']:+.2%} / {q['agreement']:.3f} / {q['ast']:.3f}", ""))
+        else:
+            self.rows.append(("FP8 quality", f"failed (rc {proc.returncode}; quant_quality.log)", ""))
+
     def table(self) -> None:
         width = max(len(r[0]) for r in self.rows)
         print(f"\n{self.results['device']}; {self.elapsed():.0f}s; details in {self.out}/results.json")
@@ -343,7 +368,7 @@ def main() -> None:
     p.add_argument("--step-batches", default="1,64,256")
     p.add_argument("--step-context", type=int, default=512)
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
-    p.add_argument("--only", default="tests,qwen3,hf,steps,llama8b")
+    p.add_argument("--only", default="tests,qwen3,fp8,hf,steps,llama8b")
     p.add_argument("--smoke", action="store_true", help="a tiny shape and workload, to check the script itself")
     args = p.parse_args()
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
@@ -360,7 +385,8 @@ def main() -> None:
             args.dtype = "float32"
     only = set(args.only.split(","))
     # cost estimates (s) on an H100, so a section that cannot finish is skipped, not cut off
-    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 90), ("steps", bench.steps, 60),
+    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 90), ("fp8", bench.fp8, 120),
+                           ("steps", bench.steps, 60),
                            ("hf", bench.hf, 200), ("llama8b", bench.llama8b, 90)]:
         if name in only:
             bench.section(name, fn, 0 if args.smoke else cost)

@@ -30,7 +30,7 @@ from train_demo_model import cut_body, function_prompts, load_tokenizer, parses,
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import DEFAULT_MODEL_DIR  # noqa: E402
 
-SCHEMES = {"int8": {"quantization": "int8"}}
+SCHEMES = {"int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"}}  # fp8: CUDA
 WINDOW = 512
 
 

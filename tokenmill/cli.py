@@ -45,8 +45,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--attention-backend": ("attention_backend", dict(default="auto", choices=["auto", "cpu", "torch", "triton"],
                                                       help="auto: triton on CUDA, the native kernels on the CPU")),
     "--enforce-eager": ("enforce_eager", dict(action="store_true", help="CUDA: no CUDA graphs for decode steps")),
-    "--quantization": ("quantization", dict(default="auto", choices=["auto", "none", "int8", "compressed-tensors"],
-                                            help="int8: W8A8 on load (CPU); auto: the checkpoint's own")),
+    "--quantization": ("quantization", dict(default="auto", choices=["auto", "none", "int8", "fp8", "compressed-tensors"],
+                                            help="int8: W8A8 on load (CPU); fp8: the same in fp8 (CUDA); auto: the checkpoint's own")),
 }
 
 

@@ -62,7 +62,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | torch | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
-    quantization: str = "auto"  # auto (the checkpoint's quantization_config, else none) | none | int8
+    quantization: str = "auto"  # auto (the checkpoint's quantization_config, else none) | none | int8 | fp8
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -71,7 +71,7 @@ class EngineConfig:
         _one_of("scheduler", self.scheduler, ("continuous", "static"))
         _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _one_of("attention_backend", self.attention_backend, ("auto", "cpu", "torch", "triton"))
-        _one_of("quantization", self.quantization, ("auto", "none", "int8", "compressed-tensors"))
+        _one_of("quantization", self.quantization, ("auto", "none", "int8", "fp8", "compressed-tensors"))
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("block_size", self.block_size, 1)
         if self.block_size > 256 or self.block_size & (self.block_size - 1):

@@ -192,3 +192,29 @@ def test_a_missing_scale_and_a_second_quantization_are_named(quantized, tmp_path
         LLM(str(path), kv_cache_memory="1MiB")
     with pytest.raises(ValueError, match="quantization: 'int8' asks to quantize a checkpoint that is quantized"):
         LLM(str(quantized / "w8a8-int8"), kv_cache_memory="1MiB", quantization="int8")
+
+
+def test_fp8_layer_matches_exact_fp8_arithmetic():
+    """The CUDA fp8 layer's math, run through torch._scaled_mm on the CPU: per-token fp8
+    activations times per-channel fp8 weights, rescaled, with the bias."""
+    from tokenmill.executor.layers.quantization.fp8 import Fp8LinearMethod, quantize_fp8_rows
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=gen) * 0.05
+    x = torch.randn(5, 64, generator=gen)
+    bias = torch.randn(96, generator=gen)
+    layer = Linear(64, 96, bias=True, quant_method=Fp8LinearMethod(from_checkpoint=False))
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(bias)
+    layer.pack()
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    qx, sx = quantize_fp8_rows(x)
+    qw, sw = quantize_fp8_rows(w)
+    exact = (qx.double() @ qw.double().t()) * sx.double() * sw.double().t() + bias.double()
+    torch.testing.assert_close(layer(x).double(), exact, rtol=1e-4, atol=1e-4)
+    assert (layer(x) - F.linear(x, w, bias)).norm() / F.linear(x, w, bias).norm() < 0.1
+
+
+def test_fp8_is_refused_on_the_cpu():
+    with pytest.raises(ValueError, match="quantization: fp8 runs on CUDA"):
+        LLM(str(DEFAULT_MODEL_DIR), kv_cache_memory="1MiB", quantization="fp8")

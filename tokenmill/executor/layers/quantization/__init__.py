@@ -8,6 +8,7 @@ embeddings stay 16-bit, as in vLLM.
 
     quantization="none"  16-bit (or 32-bit) weights as the checkpoint has them
     quantization="int8"  W8A8 INT8 made on load: per-channel weights, per-token activations (int8.py)
+    quantization="fp8"   W8A8 FP8 made on load, the same granularity, CUDA only (fp8.py)
     quantization="auto"  none, unless config.json carries a quantization_config: then its
                          compressed-tensors scheme (compressed_tensors.py), or an error naming
                          the field and what is supported
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "compressed-tensors")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "fp8", "compressed-tensors")
 
 
 class LinearMethod(Protocol):
@@ -59,6 +60,10 @@ def resolve_quantization(quantization: str, checkpoint_config: dict[str, Any] | 
         from tokenmill.executor.layers.quantization.int8 import Int8Config
 
         return Int8Config(device, kernels)
+    if quantization == "fp8":
+        from tokenmill.executor.layers.quantization.fp8 import Fp8Config
+
+        return Fp8Config(device)
     if quantization == "compressed-tensors":
         raise ValueError("quantization: compressed-tensors needs a checkpoint whose config.json has a "
                          "quantization_config (tokenmill quantize writes one)")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.executor.layers.quantization.fp8 import quantize_fp8_rows
 from tokenmill.executor.layers.quantization.int8 import quantize_per_channel
 
 SCHEMES = {  # --scheme -> (compressed-tensors preset, format)
@@ -24,7 +25,6 @@ SCHEMES = {  # --scheme -> (compressed-tensors preset, format)
     "fp8-dynamic": ("FP8_DYNAMIC", "float-quantized"),
 }
 _PROJECTION = re.compile(r"(model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def quantize_weight(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,8 +32,7 @@ def quantize_weight(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.T
     if scheme == "w8a8-int8":
         q, scale = quantize_per_channel(w)
         return q, scale.unsqueeze(1)
-    scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return quantize_fp8_rows(w)
 
 
 def quantization_config(scheme: str) -> dict:

@@ -5,8 +5,9 @@ targeted Linear, with symmetric 8-bit weights per output channel:
     W8A8 INT8     format int-quantized, int8 weights, activations int8 per token, dynamic:
                   runs on fbgemm as quantization="int8" does (int8.py)
     FP8_DYNAMIC   format float-quantized, float8_e4m3fn weights, activations fp8 per token,
-                  dynamic: on the CPU the weights are dequantized to the engine's dtype on
-                  load (correct, not fast; activations stay 16/32-bit)
+                  dynamic: on CUDA torch._scaled_mm (fp8.py); on the CPU the weights are
+                  dequantized to the engine's dtype on load (correct, not fast; activations
+                  stay 16/32-bit)
     INT8 weight-only (W8A16, channel strategy): dequantized the same way
 
 Anything else (4 bits, groups, asymmetric or static activations, a KV-cache scheme) is
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.executor.layers.quantization.fp8 import Fp8LinearMethod
 from tokenmill.executor.layers.quantization.int8 import Int8LinearMethod
 
 SUPPORTED = ("W8A8 INT8 (int-quantized)", "FP8_DYNAMIC (float-quantized)", "INT8 weight-only (int-quantized)")
@@ -71,9 +73,7 @@ class CompressedTensorsConfig:
         self.int8_activations = a is not None and w.type == "int"
         self.ignore = list(parsed.ignore or [])
         self.device, self.kernels = device, kernels
-        if self.weight_dtype == torch.float8_e4m3fn and device.type == "cuda":
-            raise ValueError("quantization_config: FP8 on CUDA (torch._scaled_mm) is not built yet; this checkpoint "
-                             "loads on the CPU, dequantized")
+        self.fp8_scaled_mm = self.weight_dtype == torch.float8_e4m3fn and a is not None and device.type == "cuda"
         if self.int8_activations and device.type != "cpu":
             raise ValueError("quantization_config: W8A8 INT8 runs on the CPU (fbgemm); on CUDA it is not built yet")
 
@@ -94,6 +94,8 @@ class CompressedTensorsConfig:
         if any(ignored):
             raise ValueError(f"quantization_config.ignore: {', '.join(names)} are fused into one layer here, and "
                              "only some of them are ignored")
+        if self.fp8_scaled_mm:
+            return Fp8LinearMethod(from_checkpoint=True)
         return CompressedTensorsLinearMethod(self.weight_dtype, self.int8_activations, self.kernels)
 
 

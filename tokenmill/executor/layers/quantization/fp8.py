@@ -1,0 +1,63 @@
+"""FP8 W8A8 on CUDA (Hopper and later): weights float8_e4m3fn per output channel,
+activations float8_e4m3fn per token (dynamic), one `torch._scaled_mm` per layer with both
+scale vectors (rowwise scaling), the output in the model's dtype.
+
+`quantization="fp8"` makes the weights on load from a 16-bit checkpoint (vLLM's
+`--quantization fp8`, here with per-channel weight scales); compressed-tensors FP8_DYNAMIC
+checkpoints load into the same method (compressed_tensors.py). On the CPU, fp8 is
+refused by name (FP8_DYNAMIC checkpoints run dequantized there instead).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric float8_e4m3fn per row of x [M, K]: (q, float32 scale [M, 1]), x ~ q * scale."""
+    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Config:
+    name = "fp8"
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError("quantization: fp8 runs on CUDA (torch._scaled_mm, Hopper or later); on the CPU use int8")
+
+    def linear_method(self, layer_name: str, shard_names: tuple[str, ...] = ()) -> Fp8LinearMethod | None:
+        return None if layer_name.endswith("lm_head") else Fp8LinearMethod(from_checkpoint=False)
+
+
+class Fp8LinearMethod:
+    """from_checkpoint: the layer loads fp8 `weight` and float32 `weight_scale` [N, 1]
+    (compressed-tensors); otherwise it loads its 16-bit weight and quantizes it after."""
+
+    def __init__(self, from_checkpoint: bool) -> None:
+        self.from_checkpoint = from_checkpoint
+
+    def create_weights(self, layer: nn.Module) -> None:
+        if self.from_checkpoint:
+            layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=FP8), requires_grad=False)
+            layer.weight_scale = nn.Parameter(torch.empty(layer.out_features, 1, dtype=torch.float32),
+                                              requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.from_checkpoint:
+            weight, scale = layer.weight.detach(), layer.weight_scale.detach()
+            del layer.weight_scale
+        else:
+            weight, scale = quantize_fp8_rows(layer.weight.detach())
+        layer.weight = nn.Parameter(weight, requires_grad=False)  # [N, K]: its .t() is the column-major B
+        layer.weight_scale_row = scale.reshape(1, -1).float().contiguous()  # [1, N]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_fp8_rows(x)
+        bias = layer.bias if layer.bias is None or layer.bias.dtype == x.dtype else layer.bias.to(x.dtype)
+        return torch._scaled_mm(q, layer.weight.t(), scale_a=scale, scale_b=layer.weight_scale_row, bias=bias,
+                                out_dtype=x.dtype)
