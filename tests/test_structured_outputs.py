@@ -135,6 +135,17 @@ def test_abort_while_compiling(llm):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_wins_over_bans_that_leave_nothing(llm, temperature):
+    """bad_words that ban the only tokens the grammar allows: the grammar's choice stands
+    (never a token outside the vocabulary, never an end that does not fit)."""
+    spec = StructuredOutputsParams(regex="yes|no")
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=1, bad_words=["yes", "no"],
+                            structured_outputs=spec)
+    for out in llm.generate(PROMPTS[:2], params, use_tqdm=False):
+        assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("spec, message", [
     (dict(), "exactly one"),
     (dict(regex="a", choice=["a"]), "exactly one"),

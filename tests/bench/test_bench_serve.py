@@ -25,17 +25,17 @@ def test_known_timing(known_server, tmp_path, concurrency, endpoint):
     assert r["completed"] == n and r["failed"] == 0
     assert r["total_output_tokens"] == 21 * n and r["total_input_tokens"] == 20 * n
     # at 64 the known server itself (one Python process) takes its time to accept the burst of
-    # 64 requests: on 2 cores the mean TTFT comes out 56-61 ms (measured 2026-11-23, the same
-    # before and after the client's vLLM flags), so 10 ms failed about one run in four
-    tolerance = 3 if concurrency == 1 else 15
-    assert r["mean_ttft_ms"] == pytest.approx(50, abs=tolerance)
-    assert r["p99_ttft_ms"] == pytest.approx(50, abs=2.5 * tolerance)
+    # 64 requests: on 2 cores the mean TTFT comes out 56-66 ms (measured 2026-11-23; 66 with other
+    # work on the machine). So the client may measure more than the server's delays there, never less.
+    late = 3 if concurrency == 1 else 30
+    assert 50 - 3 <= r["mean_ttft_ms"] <= 50 + late
+    assert 50 - 3 <= r["p99_ttft_ms"] <= 50 + 2.5 * late
     assert r["mean_tpot_ms"] == pytest.approx(10, abs=1) and r["median_itl_ms"] == pytest.approx(10, abs=2)
-    assert r["mean_e2el_ms"] == pytest.approx(250, abs=tolerance + 5)  # 50 + 20 x 10
+    assert 250 - 5 <= r["mean_e2el_ms"] <= 250 + late + 5  # 50 + 20 x 10
     assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
     assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # every request meets the SLO
     expected_duration = 0.25 * (n if concurrency == 1 else 1)
-    assert r["duration"] == pytest.approx(expected_duration, rel=0.1, abs=0.03)
+    assert expected_duration - 0.01 <= r["duration"] <= expected_duration * 1.1 + 0.03 + late / 1000
     assert len(r["requests"]) == n and all(len(x["chunk_times"]) == 21 for x in r["requests"])
     assert r["token_counts"] == f"the server's usage: {n} requests"
 

@@ -75,6 +75,10 @@ BAD = [
      "structured_outputs.structural_tag"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
      400, "guided_regex"),
+    # only the tokenizer can tell: a token id past the vocabulary (compiled before anything is queued)
+    ("/v1/completions", {"prompt": "x", "guided_grammar": 'start: <[99999]> "a"'}, 400, "guided_grammar"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}, "guided_whitespace_pattern": "(("}, 400,
+     "guided_whitespace_pattern"),
 ]
 
 

@@ -71,6 +71,7 @@ class AsyncEngine:
             raise self.error
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.grammars = self.engine.grammars  # thread-safe: the server compiles ahead (cached for the engine)
 
     # -- life cycle -------------------------------------------------------------
     def start(self) -> None:

@@ -70,7 +70,8 @@ class Grammars:
                                                               eos_token=self.eos_token_ids)
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ParamError("structured_outputs", f"structured_outputs: does not compile: {matcher.get_error()}")
+            raise ParamError("structured_outputs", "structured_outputs: does not compile against the tokenizer: "
+                             f"{matcher.get_error().strip()}")
         return matcher
 
     def start(self, request: Request, compiled) -> None:
@@ -96,7 +97,8 @@ class Grammars:
         allowed (the mask was overridden: e.g. min_tokens banning the only way to end)."""
         matcher = request.grammar
         if not matcher.consume_token(request.all_token_ids[-1]):
-            return f"structured_outputs: the sampled token does not fit the grammar: {matcher.get_error()}"
+            why = (matcher.get_error().strip().splitlines() or [""])[0]
+            return f"structured_outputs: the sampled token does not fit the grammar ({why})"
         return "stop" if matcher.is_stopped() else None
 
     def shutdown(self) -> None:

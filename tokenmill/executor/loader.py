@@ -134,6 +134,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> 
             param.fill_(1.0)
         elif name.endswith("bias"):
             param.zero_()
+        elif name.endswith("weight_scale"):  # a quantized checkpoint's: 8-bit values of about std
+            param.fill_(std / 64)
+        elif not param.dtype.is_floating_point or param.dtype.itemsize == 1:  # int8, float8 weights
+            values = torch.empty(param.shape, device=param.device).normal_(0.0, 64.0, generator=gen)
+            param.copy_(values.clamp_(-127, 127).round_())
         else:
             param.normal_(0.0, std, generator=gen)
 

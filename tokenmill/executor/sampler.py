@@ -63,9 +63,15 @@ class Sampler:
             apply_token_bitmask(logits, *batch.grammar)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         if batch.banned is not None:
+            constrained = logits[batch.grammar[0]] if batch.grammar is not None else None
             # the value as a device tensor: a Python scalar would be copied over, blocking
             logits.index_put_(batch.banned, torch.full(batch.banned[0].shape, float("-inf"), dtype=logits.dtype,
                                                        device=logits.device))
+            if constrained is not None:  # a row the bans left nothing in keeps what its grammar allows
+                rows = batch.grammar[0]
+                banned = logits[rows]
+                dead = torch.isneginf(banned).all(dim=-1, keepdim=True)
+                logits[rows] = torch.where(dead, constrained, banned)
         if batch.bias is not None:
             apply_bias(logits, batch.bias)
         if batch.penalties is not None:
@@ -117,7 +123,8 @@ class Sampler:
         cdf = probs.cumsum(dim=-1)
         total = cdf[:, -1]
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+        # a row with nothing left (NaN probabilities) would find no token: the last id stands in
+        sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
         return torch.where(greedy_rows, greedy_ids, sampled)
 
     def _with_logprobs(self, ids: torch.Tensor, logprobs: torch.Tensor,

@@ -79,6 +79,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
     async def completions(body: CompletionRequest, request: Request) -> Response:
         completion_serving.model_name(body.model)
         rid, choices = completion_serving.prepare_completion(body)
+        await completion_serving.compile_grammar(body, choices)
         if body.stream:
             return _sse(completion_serving.completion_stream(body, rid, choices))
         return JSONResponse(await _unless_disconnected(request, completion_serving.completion(body, rid, choices)))
@@ -87,6 +88,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         chat_serving.model_name(body.model)
         rid, choices = chat_serving.prepare_chat(body)
+        await chat_serving.compile_grammar(body, choices)
         if body.stream:
             return _sse(chat_serving.chat_stream(body, rid, choices))
         return JSONResponse(await _unless_disconnected(request, chat_serving.chat(body, rid, choices)))

@@ -14,8 +14,9 @@ from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine, QueueFullError
 from tokenmill.engine.request import Request, RequestOutput
-from tokenmill.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.protocol import APIError, _SamplingRequest
+from tokenmill.server.structured_outputs import constraints, named, structured_field, structured_outputs
 
 
 
@@ -48,6 +49,10 @@ class OpenAIServing:
 
     def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None, best_of: int | None = None) -> SamplingParams:
+        if self.tokenizer is None and constraints(req):
+            field = structured_field(req)
+            raise APIError(400, f"{field}: structured outputs need a tokenizer, and this server runs with "
+                           "--skip-tokenizer-init", param=field)
         defaults = SamplingParams()
         try:
             return SamplingParams(
@@ -67,6 +72,18 @@ class OpenAIServing:
                 structured_outputs=structured_outputs(req))
         except ValueError as e:
             raise bad_request(e) from e
+
+    async def compile_grammar(self, req: _SamplingRequest, choices: list[Choice]) -> None:
+        """The request's grammar compiled against the tokenizer (or found in the cache) before
+        it is queued: one that only fails there (a token the vocabulary lacks) is a 400 naming
+        its field, not a failed generation."""
+        spec = choices[0].request.sampling_params.structured_outputs if choices else None
+        if spec is None or self.engine.grammars is None:
+            return
+        try:
+            await asyncio.wrap_future(self.engine.grammars.compile(spec))
+        except ParamError as e:
+            raise named(e, structured_field(req)) from e
 
     def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams, n: int, base_id: str,
                prompt_param: str = "prompt") -> list[Choice]:
@@ -188,38 +205,6 @@ def top_entries(entry: dict[int, float], token: int, top_n: int) -> list[tuple[i
     if token in entry and all(t != token for t, _ in top):
         top.append((token, entry[token]))
     return top
-
-
-def structured_outputs(req: _SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's output constraint, from whichever field gives it: OpenAI's
-    response_format, vLLM's structured_outputs, or vLLM's older guided_* fields. A bad one is
-    a 400 naming the field it came in."""
-    given: list[tuple[str, dict]] = []
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        given.append(("response_format", {"json_object": True}))
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise APIError(400, "response_format: type json_schema needs json_schema.schema", param="response_format")
-        given.append(("response_format", {"json": fmt.json_schema.schema_}))
-    if req.structured_outputs is not None:
-        given.append(("structured_outputs", req.structured_outputs.model_dump(by_alias=True, exclude_none=True)))
-    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                      ("guided_grammar", "grammar")):
-        if getattr(req, name) is not None:
-            given.append((name, {key: getattr(req, name)}))
-    if not given:
-        return None
-    if len(given) > 1:
-        raise APIError(400, f"{given[1][0]}: only one output constraint per request, and {given[0][0]} gives one "
-                       "already", param=given[1][0])
-    param, spec = given[0]
-    if req.guided_whitespace_pattern is not None:
-        spec.setdefault("whitespace_pattern", req.guided_whitespace_pattern)
-    try:
-        return StructuredOutputsParams(**spec)
-    except ParamError as e:
-        raise APIError(400, f"{param}: {str(e).removeprefix('structured_outputs: ')}", param=param) from e
 
 
 def bad_request(e: ValueError, prompt_param: str = "prompt", index: int | None = None) -> APIError:

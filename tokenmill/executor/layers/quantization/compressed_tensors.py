@@ -47,7 +47,7 @@ class CompressedTensorsConfig:
         except Exception as e:  # noqa: BLE001 - pydantic's ValidationError: the format's own check
             raise ValueError(f"quantization_config: not a valid compressed-tensors config: {e}") from e
         if parsed.kv_cache_scheme is not None:
-            raise _refuse("kv_cache_scheme", "set", "a quantized KV cache comes from kv_cache_dtype")
+            raise _refuse("kv_cache_scheme", "set", "a quantized KV cache is not built yet")
         if len(parsed.config_groups) != 1:
             raise _refuse("config_groups", sorted(parsed.config_groups), "one group for all linear layers")
         (group_name, scheme), = parsed.config_groups.items()

@@ -5,11 +5,13 @@ The GEMM was picked by measurement (benchmarks/int8_gemm.py, a 2-core AVX2 CPU w
 VNNI): fbgemm ran the engine's shapes 1.3-7.9x faster than the fp32 dense layer, while
 oneDNN's qlinear (0.1-1.3x) and torch._int_mm (0.01-0.15x) were slower than dense.
 fbgemm quantizes its input with one scale for the whole tensor, so each token's row is
-first scaled to the int8 range by a native kernel (x * 127 / max|x|, the row's scale
-kept); fbgemm then rounds it with scale 1 (zero point 128, its unsigned form), and the
-output is multiplied back by the row scales: per-token quantization through a
-per-tensor GEMM. On CPUs without VNNI, fbgemm's u8 x s8 pairs can saturate at int16; the
-measured error stays within 2% of exact int8 arithmetic (tests/unit/test_quantization.py).
+first scaled to the quantized range by a native kernel (x * qmax / max|x|, the row's scale
+kept); fbgemm then rounds it with scale 1 (zero point qmax + 1, its unsigned form), and
+the output is multiplied back by the row scales: per-token quantization through a
+per-tensor GEMM. Without VNNI, fbgemm multiplies u8 x s8 pairs into int16 sums, which
+saturate with 8-bit activations (4% off on plain inputs); there activations take 7 bits
+(qmax 63, PyTorch's reduce_range), which is exact integer arithmetic again and closer to
+float (1% off). With AVX512-VNNI the sums are int32 and activations keep 8 bits.
 """
 
 from __future__ import annotations
@@ -43,12 +45,23 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def scale_rows(x: torch.Tensor, kernels: ModuleType | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x scaled to [-127, 127] per row, float32; the rows' scales [T, 1])."""
+def activation_qmax() -> int:
+    """The largest activation value: 127 where fbgemm's int8 products accumulate in int32
+    (AVX512-VNNI), else 63, so that its int16 pair sums cannot saturate."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return 127 if "avx512_vnni" in flags else 63
+
+
+def scale_rows(x: torch.Tensor, kernels: ModuleType | None, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x scaled to [-qmax, qmax] per row, float32; the rows' scales [T, 1])."""
     if kernels is not None and x.stride(-1) == 1:
-        return kernels.scale_rows_int8(x)
+        return kernels.scale_rows_int8(x, qmax)
     amax = x.float().abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
     return x.float() / scale, scale
 
 
@@ -57,8 +70,9 @@ class Int8LinearMethod:
     for fbgemm and the 16-bit copy is dropped. The bias stays in the layer's dtype and is
     added after the rescale."""
 
-    def __init__(self, kernels: ModuleType | None) -> None:
+    def __init__(self, kernels: ModuleType | None, qmax: int | None = None) -> None:
         self.kernels = kernels
+        self.qmax = qmax or activation_qmax()
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.packed_int8 = None
@@ -78,8 +92,9 @@ class Int8LinearMethod:
         layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        scaled, row_scale = scale_rows(x, self.kernels)
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(scaled, 1.0, 128, layer.packed_int8)
+        scaled, row_scale = scale_rows(x, self.kernels, self.qmax)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(scaled, 1.0, self.qmax + 1,
+                                                                              layer.packed_int8)
         y = y.mul_(row_scale)
         if layer.bias is not None:
             y = y.add_(layer.bias)
