@@ -26,8 +26,9 @@ def test_known_timing(known_server, tmp_path, concurrency, endpoint):
     assert r["total_output_tokens"] == 21 * n and r["total_input_tokens"] == 20 * n
     # at 64 the known server itself (one Python process) takes its time to accept the burst of
     # 64 requests: on 2 cores the mean TTFT comes out 56-66 ms (measured 2026-11-23; 66 with other
-    # work on the machine). So the client may measure more than the server's delays there, never less.
-    late = 3 if concurrency == 1 else 30
+    # work on the machine). So the client may measure more than the server's delays there, never
+    # less. One stream measured up to 53.5 ms (chat, in CI).
+    late = 6 if concurrency == 1 else 30
     assert 50 - 3 <= r["mean_ttft_ms"] <= 50 + late
     assert 50 - 3 <= r["p99_ttft_ms"] <= 50 + 2.5 * late
     assert r["mean_tpot_ms"] == pytest.approx(10, abs=1) and r["median_itl_ms"] == pytest.approx(10, abs=2)
