@@ -10,7 +10,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +105,6 @@ class Engine:
                                                                   else set())))
         self._tracked: dict[str, _Tracked] = {}
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids) if self.tokenizer else None
-        self._compiling: dict[str, tuple[Request, Future]] = {}  # structured outputs: waiting for their grammar
         self._ids = itertools.count()
         self.total_steps = 0
         logger.info("model %s (%s, %s on %s, attention %s, quantization %s) loaded in %.2fs; KV cache: %d blocks "
@@ -164,7 +162,6 @@ class Engine:
         request = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time)
         if self.tokenizer is None:
             _check_without_tokenizer(params)
-
         if params.bad_words:
             request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return request, text
@@ -186,9 +183,8 @@ class Engine:
         A request with structured outputs reaches the scheduler once its grammar is compiled."""
         if request.request_id in self._tracked:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        spec = request.sampling_params.structured_outputs
-        if spec is not None:
-            self._compiling[request.request_id] = (request, self.grammars.compile(spec))
+        if request.sampling_params.structured_outputs is not None:
+            self.grammars.add(request)
         else:
             self.scheduler.add_request(request)
         self._tracked[request.request_id] = _Tracked(request, prompt, [self._new_seq(request)], final_only)
@@ -233,48 +229,43 @@ class Engine:
         return self._snapshot(tracked, tracked.seqs[:1], text, [], finished=True)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self.grammars and self.grammars.pending)
 
     @property
     def num_waiting(self) -> int:
         """Requests not running yet: queued, or waiting for their grammar."""
-        return self.scheduler.num_waiting + len(self._compiling)
+        return self.scheduler.num_waiting + (len(self.grammars.pending) if self.grammars else 0)
 
     def unfinished_requests(self) -> list[Request]:
         """Every request in flight, as its caller knows it (not its forked sequences)."""
         return [tracked.request for tracked in self._tracked.values()]
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Requests whose grammar is ready go to the scheduler; one that failed to compile ends."""
-        outputs = []
-        for request_id, (request, future) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[request_id]
-            error = future.exception()
-            if error is not None:
-                outputs.append(self.fail_request(request, str(error)))
-                continue
-            self.grammars.start(request, future.result())
-            self.scheduler.add_request(request)
-        return outputs
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns outputs for the sequences that got new tokens or
         finished, one per sequence (for a final_only request: one for all of them, when the
         last finishes). A request's last output of the step says whether it has finished."""
-        compiled = self._admit_compiled() if self._compiling else []
+        compiled = []  # requests whose grammar is done go to the scheduler; one that failed to compile ends
+        waiting = self.grammars is not None and bool(self.grammars.pending)
+        if waiting:
+            started, failed = self.grammars.ready()
+            for request in started:
+                self.scheduler.add_request(request)
+            compiled = [self.fail_request(request, str(error)) for request, error in failed]
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            if self._compiling:  # nothing to run until a grammar is ready: wait for one, briefly
-                wait([future for _, future in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            if waiting:  # nothing to run until a grammar is ready: wait for one, briefly
+                self.grammars.wait(timeout=0.05)
             return compiled
         mask = self.grammars.bitmask(sched.sampling_requests) if self.grammars is not None else None
         result = self.runner.execute(sched, mask)
         changed = self.scheduler.update(sched, result)
-        if mask is not None:
-            self._advance_grammars(changed)
+        if mask is not None:  # each constrained sequence follows its token; a complete output stops
+            for request, verdict in self.grammars.advance(changed):
+                if verdict != "stop":
+                    request.error = verdict
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED
+                                              if verdict == "stop" else RequestStatus.FINISHED_ERROR)
         self.total_steps += 1
         groups: dict[str, tuple[_Tracked, list[_Seq]]] = {}
         for request in changed:
@@ -301,20 +292,6 @@ class Engine:
             if tracked.finished:
                 self._forget(tracked)
         return outputs
-
-    def _advance_grammars(self, changed: list[Request]) -> None:
-        """Each constrained sequence's matcher follows its new token; a complete output stops."""
-        for request in changed:
-            if request.grammar is None or request.is_finished:
-                continue
-            verdict = self.grammars.accept(request)
-            if verdict is None:
-                continue
-            if verdict == "stop":
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            else:
-                request.error = verdict
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
 
     def _outputs(self, tracked: _Tracked, seqs: list[_Seq]) -> list[RequestOutput]:
         """The outputs of one request's changed sequences this step."""
@@ -344,7 +321,8 @@ class Engine:
         for seq in tracked.seqs:
             self.runner.release(seq.request.request_id)
         self._tracked.pop(tracked.request.request_id, None)
-        self._compiling.pop(tracked.request.request_id, None)
+        if self.grammars is not None:
+            self.grammars.pending.pop(tracked.request.request_id, None)
 
     def _detokenize(self, seq: _Seq) -> None:
         """Feeds the new output tokens to the detokenizer; a stop string ends the sequence."""

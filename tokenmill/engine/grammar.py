@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -46,6 +46,7 @@ class Grammars:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()  # the cache is read by the engine thread, filled by compile()
+        self.pending: dict[str, tuple[Request, Future]] = {}  # requests waiting for their grammar
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A Future of the compiled grammar (a matcher in its start state, to copy per sequence)."""
@@ -74,9 +75,29 @@ class Grammars:
                              f"{matcher.get_error().strip()}")
         return matcher
 
-    def start(self, request: Request, compiled) -> None:
-        """The request's own matcher, from the compiled grammar."""
-        request.grammar = compiled.deep_copy()
+    def add(self, request: Request) -> None:
+        """The request waits here (outside the scheduler) until its grammar is compiled."""
+        self.pending[request.request_id] = (request, self.compile(request.sampling_params.structured_outputs))
+
+    def ready(self) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
+        """The waiting requests whose grammar is done: those that compiled, each with its own
+        matcher, and those that failed, with the error."""
+        started, failed = [], []
+        for request_id, (request, future) in list(self.pending.items()):
+            if not future.done():
+                continue
+            del self.pending[request_id]
+            error = future.exception()
+            if error is not None:
+                failed.append((request, error))
+            else:
+                request.grammar = future.result().deep_copy()
+                started.append(request)
+        return started, failed
+
+    def wait(self, timeout: float) -> None:
+        """Until one waiting grammar is done, or `timeout` seconds."""
+        wait([future for _, future in self.pending.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def bitmask(self, requests: list[Request]) -> tuple[list[int], np.ndarray] | None:
         """(rows, mask) for the constrained ones among a step's sampling requests: bit t of
@@ -89,6 +110,17 @@ class Grammars:
         for k, i in enumerate(rows):  # llguidance drops the GIL while it fills a row
             requests[i].grammar.unsafe_compute_mask_ptr(mask[k].ctypes.data, nbytes)
         return rows, mask
+
+    def advance(self, changed: list[Request]) -> list[tuple[Request, str]]:
+        """Each constrained sequence that got a token this step advances its matcher; returns
+        those that must end, with accept()'s verdict."""
+        ended = []
+        for request in changed:
+            if request.grammar is not None and not request.is_finished:
+                verdict = self.accept(request)
+                if verdict is not None:
+                    ended.append((request, verdict))
+        return ended
 
     @staticmethod
     def accept(request: Request) -> str | None:
