@@ -66,6 +66,25 @@ def test_a_tiny_repetition_penalty_keeps_probabilities_finite():
     assert torch.isfinite(probs).all() and probs.argmax().item() == 1
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-45, 1e-30, 100.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 1e-30])
+def test_extreme_repetition_penalties_never_leave_the_grammar(penalty, temperature):
+    """The server's fuzz found 5e-324 with a grammar: it rounds to 0 in float32, -inf * 0 is NaN,
+    and a NaN row sampled a token the grammar forbids. Whatever the penalty and temperature, a
+    constrained row samples an allowed token (here, tokens 1 and 3, both seen)."""
+    from tests.unit.test_sampler import batch
+    from tokenmill.executor.sampler import Sampler
+
+    logits = torch.tensor([[4.0, 3.0, 2.0, -0.5, 0.0, 1.0]]).repeat(64, 1)
+    requests = [request(str(i), [1, 4], [3, 0], repetition_penalty=penalty) for i in range(64)]
+    state = PenaltyState(6, torch.device("cpu"), default_to_device(torch.device("cpu")))
+    b = batch(64, temperature=temperature)
+    b.penalties = state.batch(list(range(64)), requests, 64)
+    b.grammar = (torch.arange(64), torch.full((64, 1), 0b001010, dtype=torch.int32))
+    ids = [t for t, _ in Sampler(torch.Generator().manual_seed(0))(logits, b)]
+    assert set(ids) <= {1, 3}, ids
+
+
 def test_counts_are_kept_incrementally_and_rows_reused():
     state = PenaltyState(VOCAB, torch.device("cpu"), default_to_device(torch.device("cpu")))
     requests = [request(str(i), [i], [i + 1], frequency_penalty=1.0) for i in range(11)]  # grows past 8 rows

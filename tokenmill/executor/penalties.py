@@ -57,7 +57,10 @@ class PenaltyState:
         params = [r.sampling_params for r in requests]
         presence = np.array([p.presence_penalty for p in params], dtype=np.float32)
         frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)
-        repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        # in float32's normal range: 5e-324 would round to 0 (and -inf * 0 is NaN), 1e308 to inf
+        f32 = np.finfo(np.float32)
+        repetition = np.array([p.repetition_penalty for p in params], dtype=np.float64).clip(f32.tiny, f32.max)
+        repetition = repetition.astype(np.float32)
         put = self.to_device
         return PenaltyBatch(put(np.array(rows, dtype=np.int64)), put(np.array(state_rows, dtype=np.int64)),
                             put(presence), put(frequency), put(repetition), self,
@@ -111,10 +114,12 @@ def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> None:
     if batch.use_repetition:
         seen = generated | batch.state.in_prompt.index_select(0, batch.state_rows)
         rep = batch.repetition.unsqueeze(1)
-        # HF's arithmetic, exactly; a tiny penalty (5e-324) would divide to inf, and inf to NaN
-        # probabilities: the largest float keeps the token the most likely one instead
-        divided = (sub / rep).clamp_(max=torch.finfo(sub.dtype).max)
-        sub = torch.where(seen, torch.where(sub > 0, divided, sub * rep), sub)
+        # HF's arithmetic, exactly, within the float range: a tiny penalty would divide a logit to
+        # inf, a huge one multiply it to -inf (NaN probabilities, or a row with nothing left); the
+        # largest float stands in. A masked token (-inf) stays masked.
+        big = torch.finfo(sub.dtype).max
+        scaled = torch.where(sub > 0, (sub / rep).clamp_(max=big), (sub * rep).clamp_(min=-big))
+        sub = torch.where(seen & ~torch.isneginf(sub), scaled, sub)
     if batch.use_counts:
         sub = sub - batch.frequency.unsqueeze(1) * counts - batch.presence.unsqueeze(1) * generated
     if batch.all_rows:

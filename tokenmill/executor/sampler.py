@@ -123,9 +123,10 @@ class Sampler:
         cdf = probs.cumsum(dim=-1)
         total = cdf[:, -1]
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        # a row with nothing left (NaN probabilities) would find no token: the last id stands in
         sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
-        return torch.where(greedy_rows, greedy_ids, sampled)
+        # a row whose probabilities are not finite (logits near the float limit, overflowed by the
+        # temperature) takes its argmax: never a token its mask or grammar left out
+        return torch.where(greedy_rows | ~torch.isfinite(total), greedy_ids, sampled)
 
     def _with_logprobs(self, ids: torch.Tensor, logprobs: torch.Tensor,
                        batch: SamplingBatch) -> list[tuple[int, TokenLogprobs | None]]:
