@@ -188,7 +188,7 @@ class Bench:
                     continue
                 steps[(graphs, batch)] = decode_step_time(llm, batch, self.args.step_context)
             weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-            kv_per_token = llm.engine.model_config.kv_bytes_per_token(llm.engine.dtype.itemsize)
+            kv_per_token = llm.engine.model_config.kv_bytes_per_token(llm.engine.runner.kv_cache_dtype)
             del llm
             free_gpu()
         detail = {}

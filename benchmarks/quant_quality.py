@@ -1,7 +1,10 @@
 """Quality of the quantized paths on the built-in model (the only trained model here), each
 scheme against the 16-bit model, all through tokenmill's engine:
 
-    python benchmarks/quant_quality.py [--schemes int8] [--windows 48] [--output-json FILE]
+    python benchmarks/quant_quality.py [--schemes int8,kv-int8,kv-fp8] [--windows 48] [--output-json FILE]
+
+Schemes: int8 / fp8 (W8A8 weights and activations; fp8 on CUDA only), kv-int8 / kv-fp8 /
+kv-fp8_e5m2 (the 16-bit model over an 8-bit KV cache, kv_cache_dtype).
 
 perplexity  on the held-out standard-library files of the model's training split
             (scripts/train_demo_model.py), in 512-token windows, from the engine's own
@@ -30,7 +33,9 @@ from train_demo_model import cut_body, function_prompts, load_tokenizer, parses,
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import DEFAULT_MODEL_DIR  # noqa: E402
 
-SCHEMES = {"int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"}}  # fp8: CUDA
+SCHEMES = {"int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},  # fp8 weights: CUDA
+           "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp8": {"kv_cache_dtype": "fp8"},
+           "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"}}
 WINDOW = 512
 
 

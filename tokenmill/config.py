@@ -14,7 +14,10 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("tokenmill")
 
@@ -63,6 +66,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | torch | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     quantization: str = "auto"  # auto (the checkpoint's quantization_config, else none) | none | int8 | fp8
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 | int8
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -72,6 +76,7 @@ class EngineConfig:
         _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _one_of("attention_backend", self.attention_backend, ("auto", "cpu", "torch", "triton"))
         _one_of("quantization", self.quantization, ("auto", "none", "int8", "fp8", "compressed-tensors"))
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"))
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("block_size", self.block_size, 1)
         if self.block_size > 256 or self.block_size & (self.block_size - 1):
@@ -197,8 +202,10 @@ class ModelConfig:
             raise ValueError(f"model: {cfg_path} is not valid JSON: {e}") from e
         return cls.from_dict(cfg)
 
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token in every layer, in a cache of `dtype` (an 8-bit one with its scales)."""
+        from tokenmill.executor.attention.kv_cache import bytes_per_slot
+        return bytes_per_slot(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
 
 
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.unit.test_attention import run_backend
+from tokenmill.executor.attention.kv_cache import KVCache
 
 triton_attention = pytest.importorskip("tokenmill.executor.attention.triton",
                                        reason="Triton is not installed (x86-64 Linux test dependency)")
@@ -76,7 +77,7 @@ def test_long_chunk_after_prefix_hit(poisoned_outputs):
 def test_padding_tokens_are_not_written():
     """slot -1 (a CUDA-graph padding row) leaves the cache as it was."""
     cache = torch.zeros(1, 2, 64, 2, 16, device=DEVICE)
-    backend = TritonBackend(cache, 16, 2)
+    backend = TritonBackend(KVCache(cache), 16, 2)
     k = torch.ones(3, 2, 16, device=DEVICE)
     slots = torch.tensor([5, -1, 7], device=DEVICE)
     triton_attention._write_kv[(3, 2)](k, k * 2, cache[0, 0], cache[0, 1], slots, k.stride(0), k.stride(1),

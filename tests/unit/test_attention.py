@@ -9,6 +9,7 @@ from torch.nn import functional as F
 
 from tokenmill.executor.attention.base import AttentionMetadata, default_to_device
 from tokenmill.executor.attention.cpu import CpuBackend
+from tokenmill.executor.attention.kv_cache import KVCache, dequantize_rows, quantize_rows
 from tokenmill.executor.attention.torch_ref import TorchBackend
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 
@@ -29,11 +30,25 @@ def dense_reference(q, ks, vs, query_lens, seq_lens):
     return torch.cat(outs)
 
 
+def round_trip(x, kv_dtype):
+    """x as an 8-bit cache gives it back"""
+    return x if kv_dtype is None else dequantize_rows(*quantize_rows(x, kv_dtype), x.dtype)
+
+
+def as_kv_cache(cache, kv_dtype):
+    """[1, 2, slots, kv_heads, d] -> a KVCache, 8-bit (each row quantized) where kv_dtype is given"""
+    if kv_dtype is None:
+        return KVCache(cache)
+    q, s = quantize_rows(cache.flatten(0, 2), kv_dtype)
+    return KVCache(q.view(cache.shape), s.view(cache.shape[:-1]))
+
+
 def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                block_size=BS, fill=0.0, device="cpu"):
-    """make_backend(cache, block_size, heads) -> backend. fill: what the cache holds outside the
+                block_size=BS, fill=0.0, device="cpu", kv_dtype=None):
+    """make_backend(KVCache, block_size, heads) -> backend. fill: what the cache holds outside the
     requests' contexts (NaN shows any read of it; the torch path's gathers read whole blocks
-    and mask, so it needs finite values there)."""
+    and mask, so it needs finite values there). kv_dtype: an 8-bit cache dtype (the reference
+    then attends to K/V as the cache gives them back)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = max(NUM_BLOCKS, 2 * sum(-(-L // block_size) for L in seq_lens))
     cache = torch.full((1, 2, num_blocks * block_size, kv_heads, dim), fill, dtype=dtype)
@@ -61,7 +76,7 @@ def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, 
         np.array(query_lens, dtype=np.int32), np.array(seq_lens, dtype=np.int32),
         np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32),
         torch.tensor(slots, dtype=torch.long, device=device), block_size, default_to_device(cache.device))
-    backend = make_backend(cache, block_size, heads)
+    backend = make_backend(as_kv_cache(cache, kv_dtype), block_size, heads)
     backend.begin_step(md)
     # strided views of one fused qkv row per token, as the model passes them
     tokens = len(q)
@@ -69,6 +84,7 @@ def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, 
                     dim=1).to(device)
     qv, kv, vv = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     out = backend(qv.view(tokens, heads, dim), kv.view(tokens, kv_heads, dim), vv.view(tokens, kv_heads, dim), layer=0)
+    ks, vs = [round_trip(k, kv_dtype) for k in ks], [round_trip(v, kv_dtype) for v in vs]
     return out.double().cpu(), dense_reference(q, ks, vs, query_lens, seq_lens), backend
 
 

@@ -57,4 +57,4 @@ def test_profile_forward_runs_the_largest_step_on_a_throwaway_cache(checkpoints,
               max_num_seqs=6)
     runner = llm.engine.runner
     profile_forward(runner, 40)  # 6 requests of 6-7 tokens, logits and sampling for 6 rows
-    assert not runner.kv_cache.any()  # the engine's own cache was not touched
+    assert not runner.kv_cache.data.any()  # the engine's own cache was not touched

@@ -108,10 +108,11 @@ class Engine:
         self._ids = itertools.count()
         self.total_steps = 0
         logger.info("model %s (%s, %s on %s, attention %s, quantization %s) loaded in %.2fs; KV cache: %d blocks "
-                    "x %d = %d tokens; prefix caching %s; max_model_len %d", self.model_path, mc.architecture,
+                    "x %d = %d tokens (%s); prefix caching %s; max_model_len %d", self.model_path, mc.architecture,
                     str(self.dtype).removeprefix("torch."), self.device, self.runner.attn.name,
                     self.runner.quant.name if self.runner.quant else "none", self.runner.load_time,
                     self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
+                    str(self.runner.kv_cache_dtype).removeprefix("torch."),
                     "on" if config.enable_prefix_caching else "off", self.max_model_len)
 
     # -- requests -------------------------------------------------------------

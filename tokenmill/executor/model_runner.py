@@ -21,6 +21,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, TokenLogprobs
 from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
+from tokenmill.executor.attention.kv_cache import KVCache, cache_dtype
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.cuda_graphs import CudaGraphRunner
 from tokenmill.executor.layers.quantization import resolve_quantization
@@ -46,7 +47,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # device choices, made once: the attention backend and the layers' implementations
         self.backend_cls = select_attention_backend(config.attention_backend, device, dtype, model_config.head_dim,
-                                                    config.block_size)
+                                                    config.block_size, config.kv_cache_dtype)
+        self.kv_cache_dtype = cache_dtype(config.kv_cache_dtype, dtype)
         kernels = load_cpu_kernels() if device.type == "cpu" else None
         # what torch holds already in this process (another engine, a reference model): not ours
         self.memory_baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -67,12 +69,12 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self, max_batch_size=config.max_num_seqs)
             self.graphs.capture()
 
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+    def allocate_kv_cache(self, num_blocks: int) -> KVCache:
         mc = self.model_config
-        return torch.zeros((mc.num_layers, 2, num_blocks * self.block_size, mc.num_kv_heads, mc.head_dim),
-                           dtype=self.dtype, device=self.device)
+        return KVCache.allocate(mc.num_layers, num_blocks * self.block_size, mc.num_kv_heads, mc.head_dim,
+                                self.kv_cache_dtype, self.device)
 
-    def make_backend(self, kv_cache: torch.Tensor):
+    def make_backend(self, kv_cache: KVCache):
         return self.backend_cls(kv_cache, self.block_size, self.model_config.num_heads, self.staging.to_device)
 
     def release(self, request_id: str) -> None:
@@ -133,7 +135,7 @@ class ModelRunner:
         src = (np.array([s for s, _ in copies], dtype=np.int64)[:, None] * bs + offsets).ravel()
         dst = (np.array([d for _, d in copies], dtype=np.int64)[:, None] * bs + offsets).ravel()
         put = self.staging.to_device
-        self.kv_cache[:, :, put(dst)] = self.kv_cache[:, :, put(src)]
+        self.kv_cache.copy_slots(put(dst), put(src))
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
                          query_lens: np.ndarray) -> dict[str, list[TokenLogprobs]]:

@@ -95,7 +95,7 @@ def backend_class(name: str) -> type:
 
 
 def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                             block_size: int) -> type:
+                             block_size: int, kv_cache_dtype: str = "auto") -> type:
     """The backend class for `name` (auto: triton on CUDA, cpu on the CPU, torch on a CPU
     where the native kernels could not be built), checked against what it will run."""
     if name not in ("auto", *ATTENTION_BACKENDS):
@@ -107,5 +107,5 @@ def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype
             if load_cpu_kernels() is None:
                 name = "torch"
     cls = backend_class(name)
-    cls.check(device, dtype, head_dim, block_size)
+    cls.check(device, dtype, head_dim, block_size, kv_cache_dtype)
     return cls

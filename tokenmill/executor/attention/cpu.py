@@ -8,6 +8,10 @@
   AVX512-BF16 go to the prefill kernel, one call per layer for all of them
   (executor/csrc/prefill_attention.cpp). Other chunks take the torch reference
   path (gather + SDPA), which this backend inherits.
+- A quantized cache (kv_cache_dtype int8 / fp8): write_kv quantizes each row as it
+  writes it, and every query token, of a decode or of a chunk, is a row of the decode
+  kernel, which reads the 8-bit cache in place (a chunk's token at position p attends
+  to the p + 1 tokens up to it). No dequantized copy of any context is made.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 
 from tokenmill.executor.attention.base import AttentionMetadata, ToDevice
+from tokenmill.executor.attention.kv_cache import KVCache
 from tokenmill.executor.attention.torch_ref import TorchBackend, TorchPlan
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 
@@ -39,7 +44,7 @@ class KernelChunks(NamedTuple):
 class CpuBackend(TorchBackend):
     name = "cpu"
 
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, num_heads: int, to_device: ToDevice | None = None,
+    def __init__(self, kv_cache: KVCache, block_size: int, num_heads: int, to_device: ToDevice | None = None,
                  kernels: ModuleType | None = None) -> None:
         super().__init__(kv_cache, block_size, num_heads, to_device)
         self.kernels = kernels or load_cpu_kernels()
@@ -52,7 +57,8 @@ class CpuBackend(TorchBackend):
         self.chunks: KernelChunks | None = None
 
     @classmethod
-    def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
+              kv_cache_dtype: str = "auto") -> None:
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on the CPU only, not on {device.type}; "
                              f"use 'triton' or 'torch'")
@@ -62,6 +68,9 @@ class CpuBackend(TorchBackend):
 
     def begin_step(self, md: AttentionMetadata) -> None:
         self.md = md
+        if self.kv_cache.quantized:
+            self.decodes, self.chunks, self.plan = self._plan_query_rows(md), None, TorchPlan([], [])
+            return
         decodes = np.flatnonzero(md.query_lens_cpu == 1)
         chunks = np.flatnonzero(md.query_lens_cpu > 1)
         self.decodes = self._plan_kernel_decodes(md, decodes) if len(decodes) else None
@@ -78,6 +87,17 @@ class CpuBackend(TorchBackend):
                              self.to_device(np.ascontiguousarray(md.block_table_cpu[rows, :max_blocks])),
                              self.to_device(md.seq_lens_cpu[rows]))
 
+    def _plan_query_rows(self, md: AttentionMetadata) -> KernelDecodes:
+        """Every query token as a decode row: its request's block table, the context up to it."""
+        query_lens = md.query_lens_cpu
+        req = np.repeat(np.arange(len(query_lens)), query_lens)
+        token = np.arange(len(req))
+        seq_lens = (md.seq_lens_cpu[req] - query_lens[req] + token - md.query_start_loc_cpu[req] + 1).astype(np.int32)
+        max_blocks = -(-int(md.seq_lens_cpu.max()) // self.block_size)
+        return KernelDecodes(self.to_device(token.astype(np.int64)),
+                             self.to_device(np.ascontiguousarray(md.block_table_cpu[req, :max_blocks])),
+                             self.to_device(seq_lens))
+
     def _plan_kernel_chunks(self, md: AttentionMetadata, rows: np.ndarray) -> KernelChunks:
         max_blocks = -(-int(md.seq_lens_cpu[rows].max()) // self.block_size)
         return KernelChunks(self.to_device(np.ascontiguousarray(md.block_table_cpu[rows, :max_blocks])),
@@ -85,9 +105,9 @@ class CpuBackend(TorchBackend):
                             self.to_device(md.query_lens_cpu[rows]))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        k_cache, v_cache, k_scales, v_scales = self.kv_cache.layer(layer)
         # one call for both, on k and v as they are (views of qkv)
-        self.kernels.write_kv(k, v, k_cache, v_cache, self.md.slot_mapping)
+        self.kernels.write_kv(k, v, k_cache, v_cache, self.md.slot_mapping, k_scales, v_scales)
         out = torch.empty_like(q)
         scale = self.head_dim ** -0.5
         if self.decodes is not None:
@@ -96,10 +116,10 @@ class CpuBackend(TorchBackend):
             qd = q if only_decodes else q.index_select(0, d.tokens)  # the kernel takes strided rows
             od = out if only_decodes else torch.empty_like(qd)
             self.kernels.paged_decode_attention(od, qd, k_cache, v_cache, d.block_table, d.seq_lens,
-                                                self.block_size, scale)
+                                                self.block_size, scale, k_scales, v_scales)
             if not only_decodes:
                 out.index_copy_(0, d.tokens, od)
         if self.chunks is not None:  # writes the chunks' rows of out
             self.kernels.paged_prefill_attention(out, q, k_cache, v_cache, *self.chunks, self.block_size, scale)
-        self.run_chunks(out, q, k, v, k_cache, v_cache)
+        self.run_chunks(out, q, k, v, (k_cache, v_cache, k_scales, v_scales))
         return out

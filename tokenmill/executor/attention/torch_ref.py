@@ -12,6 +12,8 @@ row of block_size * kv_heads * head_dim values and gathers move whole blocks.
   groups so that little is padded, each group gathered once into a reused buffer
   and attended by SDPA, each kv head's query group playing the role of that head's
   query length, so GQA needs no K/V copies.
+- A quantized cache (kv_cache_dtype int8 / fp8) is written through quantize_rows and
+  dequantized after the gather, to the query's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import torch
 from torch.nn import functional as F
 
 from tokenmill.executor.attention.base import AttentionMetadata, ToDevice, default_to_device
+from tokenmill.executor.attention.kv_cache import KVCache, as_bytes, dequantize_rows
+
+# one layer's cache: (k, v, k_scales, v_scales), the scales None unless it is quantized
+LayerCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 # a decode group is split when a shorter context would pad it by more than this fraction
 _GROUP_PAD_RATIO = 0.6
@@ -56,22 +62,22 @@ class TorchBackend:
     name = "torch"
     graph_safe = False  # its launches follow the contexts' lengths
 
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, num_heads: int,
+    def __init__(self, kv_cache: KVCache, block_size: int, num_heads: int,
                  to_device: ToDevice | None = None) -> None:
-        # kv_cache: [num_layers, 2, num_blocks * block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.num_heads = num_heads
-        self.kv_heads, self.head_dim = kv_cache.shape[-2:]
+        self.kv_heads, self.head_dim = kv_cache.kv_heads, kv_cache.head_dim
         self.block_numel = block_size * self.kv_heads * self.head_dim
         self.to_device = to_device or default_to_device(kv_cache.device)
-        self._workspace = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
+        self._workspace = as_bytes(torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device))
         self.md: AttentionMetadata | None = None
         self.plan = TorchPlan([], [])
 
     @classmethod
-    def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
-        """Every device, dtype, head dim and block size: nothing to refuse."""
+    def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
+              kv_cache_dtype: str = "auto") -> None:
+        """Every device, dtype, head dim, block size and kv_cache_dtype: nothing to refuse."""
 
     def begin_step(self, md: AttentionMetadata) -> None:
         self.md = md
@@ -81,12 +87,11 @@ class TorchBackend:
         self._reserve_workspace()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        k_cache.index_copy_(0, self.md.slot_mapping, k)
-        v_cache.index_copy_(0, self.md.slot_mapping, v)
+        self.kv_cache.write(layer, k, v, self.md.slot_mapping)
+        cache = self.kv_cache.layer(layer)
         out = torch.empty_like(q)
-        self.run_decode_groups(out, q, k_cache, v_cache)
-        self.run_chunks(out, q, k, v, k_cache, v_cache)
+        self.run_decode_groups(out, q, cache)
+        self.run_chunks(out, q, k, v, cache)
         return out
 
     # -- planning, once per step ----------------------------------------------
@@ -109,7 +114,9 @@ class TorchBackend:
         for i in rows:
             start, n, seq_len = (int(x[i]) for x in (md.query_start_loc_cpu, md.query_lens_cpu, md.seq_lens_cpu))
             blocks = mask = None
-            if seq_len > n:  # queries sit at the end of the context: bottom-right causal mask
+            # queries sit at the end of the context: bottom-right causal mask; a quantized cache
+            # is read even by a fresh prompt, so that every backend attends to the same values
+            if seq_len > n or self.kv_cache.quantized:
                 num_blocks = -(-seq_len // bs)
                 blocks = self.to_device(md.block_table_cpu[i, :num_blocks].astype(np.int64))
                 q_pos = np.arange(seq_len - n, seq_len)
@@ -122,22 +129,21 @@ class TorchBackend:
                    + [len(c.blocks) for c in self.plan.chunks if c.blocks is not None] + [0])
         if 2 * need * self.block_numel > self._workspace.numel():
             # reused across steps and layers: fresh multi-MB buffers would cost page faults each call
-            self._workspace = torch.empty(2 * need * self.block_numel, dtype=self.kv_cache.dtype,
-                                          device=self.kv_cache.device)
+            self._workspace = as_bytes(torch.empty(2 * need * self.block_numel, dtype=self.kv_cache.dtype,
+                                                   device=self.kv_cache.device))
 
     # -- per layer -------------------------------------------------------------
-    def run_decode_groups(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor) -> None:
+    def run_decode_groups(self, out: torch.Tensor, q: torch.Tensor, cache: LayerCache) -> None:
         num_heads = self.num_heads
         for group in self.plan.decode_groups:
-            kd, vd = self._gather(k_cache, v_cache, group.blocks, group.length)
+            kd, vd = self._gather(cache, group.blocks, group.length, q.dtype)
             b = len(group.tokens)
             qd = q.index_select(0, group.tokens).view(b, self.kv_heads, num_heads // self.kv_heads, self.head_dim)
             od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.valid)
             out.index_copy_(0, group.tokens, od.view(b, num_heads, self.head_dim))
 
     def run_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+                   cache: LayerCache) -> None:
         num_heads = self.num_heads
         for chunk in self.plan.chunks:
             # [1, heads, tokens, d]: with a batch dimension SDPA takes its flash kernel on the
@@ -147,21 +153,27 @@ class TorchBackend:
             if chunk.blocks is None:
                 kp, vp = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
             else:
-                kp, vp = self._gather(k_cache, v_cache, chunk.blocks, len(chunk.blocks) * self.block_size)
+                kp, vp = self._gather(cache, chunk.blocks, len(chunk.blocks) * self.block_size, q.dtype)
                 kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                                 enable_gqa=num_heads != self.kv_heads)
             out[start:end] = op[0].transpose(0, 1)
 
-    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, length: int
+    def _gather(self, cache: LayerCache, blocks: torch.Tensor, length: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given blocks as [B, length, kv_heads, d], B = blocks / (length / block_size)."""
+        """K and V of the given blocks as [B, length, kv_heads, d] in `dtype`, B = blocks /
+        (length / block_size)."""
         n = blocks.numel() * self.block_numel
         out = []
-        for i, cache in enumerate((k_cache, v_cache)):
-            raw = torch.index_select(cache.view(-1, self.block_numel), 0, blocks,
+        for i in range(2):
+            raw = torch.index_select(as_bytes(cache[i]).view(-1, self.block_numel), 0, blocks,
                                      out=self._workspace[i * n:(i + 1) * n].view(-1, self.block_numel))
-            out.append(raw.view(-1, length, self.kv_heads, self.head_dim))
+            raw = raw.view(cache[i].dtype).view(-1, length, self.kv_heads, self.head_dim)
+            scales = cache[2 + i]
+            if scales is not None:
+                s = scales.view(-1, self.block_size * self.kv_heads).index_select(0, blocks)
+                raw = dequantize_rows(raw, s.view(-1, length, self.kv_heads), dtype)
+            out.append(raw)
         return out[0], out[1]
 
 

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.executor.attention.base import AttentionMetadata, ToDevice, default_to_device
+from tokenmill.executor.attention.kv_cache import KVCache
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_HEAD_DIM = 256
@@ -232,11 +233,13 @@ class TritonBackend:
     name = "triton"
     graph_safe = True  # launches depend on the batch size only (executor/cuda_graphs.py)
 
-    def __init__(self, kv_cache: torch.Tensor, block_size: int, num_heads: int, to_device: ToDevice | None = None,
+    def __init__(self, kv_cache: KVCache, block_size: int, num_heads: int, to_device: ToDevice | None = None,
                  num_splits: int | None = None) -> None:
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks * block_size, kv_heads, head_dim]
+        if kv_cache.quantized:  # check() refuses it first; a direct construction is told too
+            raise ValueError(f"attention_backend='triton' has no quantized KV cache ({kv_cache.dtype})")
+        self.kv_cache = kv_cache
         self.block_size = block_size
-        self.kv_heads, self.head_dim = kv_cache.shape[-2:]
+        self.kv_heads, self.head_dim = kv_cache.kv_heads, kv_cache.head_dim
         self.num_heads = num_heads
         self.group = self.num_heads // self.kv_heads
         self.to_device = to_device or default_to_device(kv_cache.device)
@@ -256,11 +259,15 @@ class TritonBackend:
         self.num_warps = 8 if self.d_pad >= 256 else 4
         self.fixed_splits = num_splits
         self.num_sms = (torch.cuda.get_device_properties(kv_cache.device).multi_processor_count
-                        if kv_cache.is_cuda else 1)
+                        if kv_cache.device.type == "cuda" else 1)
         self.plan: TritonPlan | None = None
 
     @classmethod
-    def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
+              kv_cache_dtype: str = "auto") -> None:
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by attention_backend='triton' "
+                             f"(supported: auto); a quantized KV cache runs on the CPU backends, 'cpu' and 'torch'")
         if device.type != "cuda" and not INTERPRET:
             raise ValueError(f"attention_backend='triton' needs a CUDA device (this engine runs on {device.type}); "
                              f"on the CPU it runs only under Triton's interpreter, TRITON_INTERPRET=1, for tests")
@@ -312,7 +319,7 @@ class TritonBackend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         plan = self.plan
         md = plan.md
-        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        k_cache, v_cache, _, _ = self.kv_cache.layer(layer)
         stride_slot, stride_head = k_cache.stride(0), k_cache.stride(1)
         _write_kv[(len(k), self.kv_heads)](k, v, k_cache, v_cache, md.slot_mapping, k.stride(0), k.stride(1),
                                            v.stride(0), v.stride(1), stride_slot, stride_head,

@@ -39,11 +39,13 @@ inline void softmax_inplace(float* s, int64_t len) {
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;
 }
 
-template <typename T>
-void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                      const int32_t* seq_lens, T* out, int64_t num_reqs, int64_t num_heads,
-                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                      float scale) {
+// C: the cache's element type, T's or an 8-bit one (kQuantized) whose rows are each
+// multiplied by their scale ([slots, kv_heads] float32) as they are read.
+template <typename T, typename C>
+void decode_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const float* k_scales,
+                      const float* v_scales, const int32_t* block_table, const int32_t* seq_lens, T* out,
+                      int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t max_blocks, float scale) {
   // One job = one request, all heads: a block's K (or V) rows for every kv head are one
   // contiguous run of memory, read front to back once.
   const int64_t group = num_heads / num_kv_heads;
@@ -52,7 +54,7 @@ void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v
   // each thread takes the next request from a shared counter instead.
   std::atomic<int64_t> next_job{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores;
+    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores, widened(head_dim);
     for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
       const int64_t len = seq_lens[r];
       const int32_t* blocks = block_table + r * max_blocks;
@@ -62,32 +64,42 @@ void decode_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v
       load_row(qr, qf.data(), num_heads * head_dim);
       for (float& x : qf) x *= scale;
       // Calls f(t, head, row) for every context token t and query head, row being the
-      // head's K (or V) row in `cache`: blocks in table order, rows in slot order.
-      auto for_each_row = [&](const T* cache, auto&& f) {
+      // head's K (or V) row in `cache`: blocks in table order, rows in slot order. A
+      // quantized row is widened to float and scaled once, for all heads of its group.
+      auto for_each_row = [&](const C* cache, const float* scales, auto&& f) {
         for (int64_t j = 0; j < num_blocks; ++j) {
-          const T* block = cache + static_cast<int64_t>(blocks[j]) * block_size * slot_stride;
+          const int64_t first_slot = static_cast<int64_t>(blocks[j]) * block_size;
+          const C* block = cache + first_slot * slot_stride;
           const int64_t n = std::min(block_size, len - j * block_size);
           if (j + 1 < num_blocks) {
             // blocks sit at random places: fetch the next one while this one is computed
             prefetch_bytes(cache + static_cast<int64_t>(blocks[j + 1]) * block_size * slot_stride,
-                           block_size * slot_stride * sizeof(T));
+                           block_size * slot_stride * sizeof(C));
           }
           for (int64_t i = 0; i < n; ++i) {
             for (int64_t h = 0; h < num_kv_heads; ++h) {
-              const T* row = block + i * slot_stride + h * head_dim;
-              for (int64_t g = 0; g < group; ++g) f(j * block_size + i, h * group + g, row);
+              const C* row = block + i * slot_stride + h * head_dim;
+              if constexpr (kQuantized<C>) {
+                const float s = scales[(first_slot + i) * num_kv_heads + h];
+                float* w = widened.data();
+#pragma omp simd
+                for (int64_t e = 0; e < head_dim; ++e) w[e] = load(row, e) * s;
+                for (int64_t g = 0; g < group; ++g) f(j * block_size + i, h * group + g, w);
+              } else {
+                for (int64_t g = 0; g < group; ++g) f(j * block_size + i, h * group + g, row);
+              }
             }
           }
         }
       };
       // scores = q . k
-      for_each_row(k_cache, [&](int64_t t, int64_t head, const T* k) {
+      for_each_row(k_cache, k_scales, [&](int64_t t, int64_t head, const auto* k) {
         scores[head * len + t] = dot(qf.data() + head * head_dim, k, head_dim);
       });
       for (int64_t head = 0; head < num_heads; ++head) softmax_inplace(scores.data() + head * len, len);
       // out = p . v
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(v_cache, [&](int64_t t, int64_t head, const T* v) {
+      for_each_row(v_cache, v_scales, [&](int64_t t, int64_t head, const auto* v) {
         axpy(scores[head * len + t], v, acc.data() + head * head_dim, head_dim);
       });
       store_row(out + r * num_heads * head_dim, acc.data(), num_heads * head_dim);
@@ -197,8 +209,10 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
 
 }  // namespace
 
+// k_scales / v_scales: [slots, kv_heads] float32, given exactly when the caches are 8-bit
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale) {
+                            torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale,
+                            c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode_attention: q must be [reqs, heads, d] "
               "with each request's heads contiguous (rows may be strided)");
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -209,6 +223,34 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: k and v caches differ in dtype");
+  if (k_cache.scalar_type() != q.scalar_type()) {
+    TORCH_CHECK(k_scales && v_scales, "paged_decode_attention: an 8-bit cache needs k_scales and v_scales");
+    for (const auto& s : {*k_scales, *v_scales}) {
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == k_cache.size(0) * num_kv_heads,
+                  "paged_decode_attention: scales must be contiguous float32 [slots, kv_heads]");
+    }
+    const float* ks = k_scales->data_ptr<float>();
+    const float* vs = v_scales->data_ptr<float>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_q", [&] {
+      using T = scalar_t;
+      auto run = [&](auto* kc, auto* vc) {
+        decode_attention(q.data_ptr<T>(), q.stride(0), kc, vc, ks, vs, block_table.data_ptr<int32_t>(),
+                         seq_lens.data_ptr<int32_t>(), out.data_ptr<T>(), num_reqs, num_heads, num_kv_heads,
+                         head_dim, block_size, block_table.size(1), static_cast<float>(scale));
+      };
+      switch (k_cache.scalar_type()) {
+        case at::kChar: run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>()); break;
+        case at::kFloat8_e4m3fn:
+          run(k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>());
+          break;
+        case at::kFloat8_e5m2: run(k_cache.data_ptr<c10::Float8_e5m2>(), v_cache.data_ptr<c10::Float8_e5m2>()); break;
+        default: TORCH_CHECK(false, "paged_decode_attention: a cache of ", k_cache.scalar_type(), " with q of ",
+                             q.scalar_type(), " (8-bit caches: int8, float8_e4m3fn, float8_e5m2)");
+      }
+    });
+    return;
+  }
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
     const int64_t group = num_heads / num_kv_heads;
@@ -224,7 +266,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    decode_attention<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
+                               v_cache.data_ptr<scalar_t>(), nullptr, nullptr,
                                block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                out.data_ptr<scalar_t>(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
                                block_table.size(1), static_cast<float>(scale));
@@ -232,16 +275,71 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 }
 
 
+namespace {
+// Each token's row of each kv head: its scale (max |x| / qmax, 1 for a row of zeros) and
+// the row divided by it, as 8-bit elements
+template <typename T, typename C>
+void write_quantized(const T* src, int64_t src_stride, C* cache, float* scales, const int64_t* slots,
+                     int64_t tokens, int64_t kv_heads, int64_t head_dim, float qmax) {
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const T* row = src + t * src_stride + h * head_dim;
+        float amax = 0.f;
+        for (int64_t e = 0; e < head_dim; ++e) amax = std::max(amax, std::abs(load(row, e)));
+        const float s = amax > 0.f ? amax / qmax : 1.f;
+        const int64_t slot_head = slots[t] * kv_heads + h;
+        C* dst = cache + slot_head * head_dim;
+        for (int64_t e = 0; e < head_dim; ++e) dst[e] = quantize_element<C>(load(row, e) / s, qmax);
+        scales[slot_head] = s;
+      }
+    }
+  });
+}
+}  // namespace
+
+// k_scales / v_scales ([slots, kv_heads] float32): given exactly when the caches are 8-bit
+// (int8, float8_e4m3fn, float8_e5m2); each written row's scale is set there
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping) {
+              torch::Tensor slot_mapping, c10::optional<torch::Tensor> k_scales,
+              c10::optional<torch::Tensor> v_scales) {
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && k.stride(1) == k.size(2) && v.sizes() == k.sizes() &&
                   v.stride(2) == 1 && v.stride(1) == v.size(2) && v.scalar_type() == k.scalar_type(),
               "write_kv: k and v must be [tokens, kv_heads, d] with each token's heads contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) * k_cache.size(2) ==
-                  k.size(1) * k.size(2) && k_cache.scalar_type() == k.scalar_type(),
-              "write_kv: caches must be contiguous [slots, kv_heads, d] of k's dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == k.size(0), "write_kv: slot_mapping must be int64 [tokens]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) * k_cache.size(2) ==
+                  k.size(1) * k.size(2) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv: caches must be contiguous [slots, kv_heads, d] of one dtype");
+  if (k_cache.scalar_type() != k.scalar_type()) {
+    TORCH_CHECK(k_scales && v_scales, "write_kv: an 8-bit cache needs k_scales and v_scales");
+    const int64_t kv_heads = k.size(1), head_dim = k.size(2);
+    for (const auto& s : {*k_scales, *v_scales}) {
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == k_cache.size(0) * kv_heads,
+                  "write_kv: scales must be contiguous float32 [slots, kv_heads]");
+    }
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_quantized", [&] {
+      auto run = [&](auto* kc, auto* vc, float qmax) {
+        write_quantized(k.data_ptr<scalar_t>(), k.stride(0), kc, k_scales->data_ptr<float>(), slots, k.size(0),
+                        kv_heads, head_dim, qmax);
+        write_quantized(v.data_ptr<scalar_t>(), v.stride(0), vc, v_scales->data_ptr<float>(), slots, k.size(0),
+                        kv_heads, head_dim, qmax);
+      };
+      switch (k_cache.scalar_type()) {
+        case at::kChar: run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), 127.f); break;
+        case at::kFloat8_e4m3fn:
+          run(k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>(), 448.f);
+          break;
+        case at::kFloat8_e5m2:
+          run(k_cache.data_ptr<c10::Float8_e5m2>(), v_cache.data_ptr<c10::Float8_e5m2>(), 57344.f);
+          break;
+        default: TORCH_CHECK(false, "write_kv: a cache of ", k_cache.scalar_type(), " for k of ", k.scalar_type(),
+                             " (8-bit caches: int8, float8_e4m3fn, float8_e5m2)");
+      }
+    });
+    return;
+  }
   const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
   const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
   const int64_t bytes = row * k.element_size();

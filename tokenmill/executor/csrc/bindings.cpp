@@ -1,13 +1,14 @@
 #include <torch/extension.h>
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale);
+                            torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale,
+                            c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 bool has_bf16_prefill_attention();
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor query_starts,
                              torch::Tensor query_lens, int64_t block_size, double scale);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping);
+              torch::Tensor slot_mapping, c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -15,11 +16,18 @@ std::vector<torch::Tensor> scale_rows_int8(torch::Tensor x, double qmax);
 torch::Tensor argmax_rows(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, one query token per request");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged decode attention, one query token per row; an 8-bit cache (int8, fp8) takes its row scales",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "paged causal attention for chunks of several query tokens (bfloat16, AVX512-BF16)");
   m.attr("has_bf16_prefill_attention") = has_bf16_prefill_attention();
-  m.def("write_kv", &write_kv, "k and v of each new token into its cache slot");
+  m.def("write_kv", &write_kv,
+        "k and v of each new token into its cache slot; an 8-bit cache (int8, fp8) also gets each row's scale",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
   m.def("rms_norm", &rms_norm, "residual += x (in place, optional); rmsnorm(...) * weight");
   m.def("rotary", &rotary, "rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

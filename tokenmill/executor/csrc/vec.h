@@ -4,7 +4,11 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -25,6 +29,54 @@ inline float load(const c10::BFloat16* p, int64_t i) {
 }
 inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
 
+// The 8-bit elements of a quantized KV cache (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2): each
+// row of head_dim values is stored as value / scale, its scale kept beside the cache.
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> ||
+                            std::is_same_v<T, c10::Float8_e5m2>;
+
+inline float float_from_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+inline uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+// fp8 by bit arithmetic, so that the loops vectorize (no table lookups): a normal number's
+// exponent is rebiased by adding to the exponent field; a subnormal is its mantissa times
+// the smallest step. `mantissa` bits, exponent bias `bias`.
+template <int mantissa, int bias>
+inline float fp8_to_float(uint8_t x) {
+  const uint32_t mag = x & 0x7f;
+  const float normal = float_from_bits((mag << (23 - mantissa)) + (static_cast<uint32_t>(127 - bias) << 23));
+  constexpr float step = 1.f / static_cast<float>(1u << (bias + mantissa - 1));  // 2^(1 - bias - mantissa)
+  const float subnormal = static_cast<float>(mag) * step;
+  const float f = mag >= (1u << mantissa) ? normal : subnormal;
+  return float_from_bits(bits_of(f) | (static_cast<uint32_t>(x & 0x80) << 24));
+}
+inline float load(const c10::Float8_e4m3fn* p, int64_t i) {
+  return fp8_to_float<3, 7>(reinterpret_cast<const uint8_t*>(p)[i]);
+}
+inline float load(const c10::Float8_e5m2* p, int64_t i) {
+  return fp8_to_float<2, 15>(reinterpret_cast<const uint8_t*>(p)[i]);
+}
+
+// x (already divided by its row's scale, within +-qmax) as the cache element: int8 rounds to
+// nearest even, fp8 by c10's conversion (also to nearest even)
+template <typename C>
+inline C quantize_element(float x, float qmax) {
+  x = std::min(std::max(x, -qmax), qmax);
+  if constexpr (std::is_same_v<C, int8_t>) {
+    return static_cast<int8_t>(std::nearbyint(x));
+  } else {
+    return C(x);
+  }
+}
+
 #if defined(__AVX512F__)
 // 16 lanes at a time; bf16 widens by a shift, fp16 by the F16C conversion
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -36,7 +88,7 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 template <typename T>
-constexpr bool kVectorized = !std::is_same_v<T, double>;
+constexpr bool kVectorized = !std::is_same_v<T, double> && !kQuantized<T>;
 #else
 template <typename T>
 constexpr bool kVectorized = false;

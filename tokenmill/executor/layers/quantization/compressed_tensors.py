@@ -47,7 +47,8 @@ class CompressedTensorsConfig:
         except Exception as e:  # noqa: BLE001 - pydantic's ValidationError: the format's own check
             raise ValueError(f"quantization_config: not a valid compressed-tensors config: {e}") from e
         if parsed.kv_cache_scheme is not None:
-            raise _refuse("kv_cache_scheme", "set", "a quantized KV cache is not built yet")
+            raise _refuse("kv_cache_scheme", "set", "the checkpoint's static KV scales are not read; "
+                          "kv_cache_dtype=int8 or fp8 quantizes the cache with scales computed as it is written")
         if len(parsed.config_groups) != 1:
             raise _refuse("config_groups", sorted(parsed.config_groups), "one group for all linear layers")
         (group_name, scheme), = parsed.config_groups.items()

@@ -1,0 +1,93 @@
+"""The CPU decode attention kernel over a quantized KV cache (kv_cache_dtype int8 / fp8)
+against the same kernel over a 16-bit cache: the kernel half of the quantized-KV measurement.
+
+    python benchmarks/kv_cache_attention.py [--contexts 256,1024,2048,4096] [--batch 32]
+
+One call = one layer's decode step: `batch` requests, each one query token over a context of
+`ctx` tokens in scattered blocks of 16. Caches: bfloat16 (the baseline, queries in bfloat16),
+float32 (what this engine runs where the CPU has no native bfloat16), int8, fp8_e4m3 and
+fp8_e5m2 (queries in bfloat16, each row's scale read beside it). Shapes: the built-in model's
+attention (4 heads, 2 kv heads, head dim 64) and a Llama-8B-like one (32 heads, 8 kv heads,
+head dim 128). Prints the median time per call and the ratio to bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.executor.attention.kv_cache import KVCache, quantize_rows
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
+
+SHAPES = {"builtin (4/2 heads, d 64)": (4, 2, 64), "8b-like (32/8 heads, d 128)": (32, 8, 128)}
+CACHES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
+          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+BLOCK = 16
+
+
+def time_call(fn, budget_s: float) -> float:
+    fn()
+    times = []
+    deadline = time.perf_counter() + budget_s
+    while time.perf_counter() < deadline or len(times) < 5:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def setup(kernels, heads, kv_heads, dim, batch, ctx, cache_name):
+    g = torch.Generator().manual_seed(0)
+    blocks_per = -(-ctx // BLOCK)
+    num_slots = batch * blocks_per * BLOCK
+    kv = torch.randn(2, num_slots, kv_heads, dim, generator=g)
+    dtype = CACHES[cache_name]
+    qdtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    if dtype in (torch.bfloat16, torch.float32):
+        k, v, ks, vs = kv[0].to(dtype), kv[1].to(dtype), None, None
+    else:
+        (k, ks), (v, vs) = quantize_rows(kv[0], dtype), quantize_rows(kv[1], dtype)
+    cache = KVCache(torch.stack([k, v])[None], None if ks is None else torch.stack([ks, vs])[None])
+    k, v, ks, vs = cache.layer(0)
+    table = torch.randperm(batch * blocks_per, generator=g).to(torch.int32).view(batch, blocks_per)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn(batch, heads, dim, generator=g).to(qdtype)
+    out = torch.empty_like(q)
+    return lambda: kernels.paged_decode_attention(out, q, k, v, table, seq_lens, BLOCK, dim ** -0.5, ks, vs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="256,1024,2048,4096")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing budget per cell")
+    parser.add_argument("--output-json", type=Path)
+    args = parser.parse_args()
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the CPU kernels could not be built here")
+    print(f"torch threads: {torch.get_num_threads()}; batch {args.batch}; block {BLOCK}")
+    results = []
+    for shape_name, (heads, kv_heads, dim) in SHAPES.items():
+        print(f"\n{shape_name}")
+        print(f"{'ctx':>6} " + " ".join(f"{c:>18}" for c in CACHES))
+        for ctx in [int(c) for c in args.contexts.split(",")]:
+            row = {name: time_call(setup(kernels, heads, kv_heads, dim, args.batch, ctx, name), args.seconds)
+                   for name in CACHES}
+            base = row["bf16"]
+            print(f"{ctx:>6} " + " ".join(f"{t * 1e3:8.3f}ms {base / t:5.2f}x " for t in row.values()))
+            results.append({"shape": shape_name, "ctx": ctx, "batch": args.batch,
+                            "ms": {k: t * 1e3 for k, t in row.items()},
+                            "speedup_vs_bf16": {k: base / t for k, t in row.items()}})
+    print("\n(ratio: bf16 time / this cache's time; above 1 is faster than bf16)")
+    if args.output_json:
+        args.output_json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
