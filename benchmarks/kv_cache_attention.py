@@ -1,7 +1,7 @@
 """The CPU decode attention kernel over a quantized KV cache (kv_cache_dtype int8 / fp8)
 against the same kernel over a 16-bit cache: the kernel half of the quantized-KV measurement.
 
-    python benchmarks/kv_cache_attention.py [--contexts 256,1024,2048,4096] [--batch 32]
+    python benchmarks/kv_cache_attention.py [--contexts 256,1024,2048,4096] [--batch 32] [--shared-blocks]
 
 One call = one layer's decode step: `batch` requests, each one query token over a context of
 `ctx` tokens in scattered blocks of 16. Caches: bfloat16 (the baseline, queries in bfloat16),
@@ -30,21 +30,30 @@ CACHES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
 BLOCK = 16
 
 
-def time_call(fn, budget_s: float) -> float:
-    fn()
-    times = []
-    deadline = time.perf_counter() + budget_s
-    while time.perf_counter() < deadline or len(times) < 5:
-        t0 = time.perf_counter()
+def time_calls(fns: dict, budget_s: float) -> dict:
+    """Median seconds per call of each fn; the fns take turns (a few calls each, round after
+    round until each has had budget_s), so that the machine's slow spells fall on all alike."""
+    times = {name: [] for name in fns}
+    spent = dict.fromkeys(fns, 0.0)
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    while min(spent.values()) < budget_s or min(len(t) for t in times.values()) < 5:
+        for name, fn in fns.items():
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                times[name].append(dt)
+                spent[name] += dt
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def setup(kernels, heads, kv_heads, dim, batch, ctx, cache_name):
+def setup(kernels, heads, kv_heads, dim, batch, ctx, cache_name, shared=False):
+    """shared: every request reads the same blocks, so the context stays in the core's caches"""
     g = torch.Generator().manual_seed(0)
     blocks_per = -(-ctx // BLOCK)
-    num_slots = batch * blocks_per * BLOCK
+    num_blocks = blocks_per if shared else batch * blocks_per
+    num_slots = num_blocks * BLOCK
     kv = torch.randn(2, num_slots, kv_heads, dim, generator=g)
     dtype = CACHES[cache_name]
     qdtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
@@ -54,7 +63,8 @@ def setup(kernels, heads, kv_heads, dim, batch, ctx, cache_name):
         (k, ks), (v, vs) = quantize_rows(kv[0], dtype), quantize_rows(kv[1], dtype)
     cache = KVCache(torch.stack([k, v])[None], None if ks is None else torch.stack([ks, vs])[None])
     k, v, ks, vs = cache.layer(0)
-    table = torch.randperm(batch * blocks_per, generator=g).to(torch.int32).view(batch, blocks_per)
+    table = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = table[None].expand(batch, -1).contiguous() if shared else table.view(batch, blocks_per)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
     q = torch.randn(batch, heads, dim, generator=g).to(qdtype)
     out = torch.empty_like(q)
@@ -65,7 +75,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="256,1024,2048,4096")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=1.0, help="timing budget per cell")
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing budget per cache and context")
+    parser.add_argument("--shared-blocks", action="store_true",
+                        help="every request reads the same blocks: the context stays in cache, so the time is "
+                             "the kernel's arithmetic (also prints ns per token and kv head per thread)")
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
     kernels = load_cpu_kernels()
@@ -77,10 +90,13 @@ def main() -> None:
         print(f"\n{shape_name}")
         print(f"{'ctx':>6} " + " ".join(f"{c:>18}" for c in CACHES))
         for ctx in [int(c) for c in args.contexts.split(",")]:
-            row = {name: time_call(setup(kernels, heads, kv_heads, dim, args.batch, ctx, name), args.seconds)
-                   for name in CACHES}
+            row = time_calls({name: setup(kernels, heads, kv_heads, dim, args.batch, ctx, name, args.shared_blocks)
+                              for name in CACHES}, args.seconds)
             base = row["bf16"]
             print(f"{ctx:>6} " + " ".join(f"{t * 1e3:8.3f}ms {base / t:5.2f}x " for t in row.values()))
+            if args.shared_blocks:
+                units = args.batch * ctx * kv_heads / torch.get_num_threads()
+                print(f"{'ns':>6} " + " ".join(f"{t / units * 1e9:17.1f} " for t in row.values()))
             results.append({"shape": shape_name, "ctx": ctx, "batch": args.batch,
                             "ms": {k: t * 1e3 for k, t in row.items()},
                             "speedup_vs_bf16": {k: base / t for k, t in row.items()}})

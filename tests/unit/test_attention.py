@@ -121,17 +121,25 @@ def test_cpu_kernel_matches_dense(dtype, tol, query_lens, seq_lens):
     assert torch.allclose(out, ref, atol=tol, rtol=tol)
 
 
-# bfloat16 with head_dim 64 or 128 takes the kernel's AVX512-BF16 path where the CPU has it:
-# GQA groups of 1, 2, 3 and 4 (a group's heads go through V together, up to 4 at d 64 and 2
-# at d 128), block sizes 16 and 5, contexts of 1 to 300 tokens (odd, even, multiples of 16 and not)
+# The decode kernel's three paths: AVX512-BF16 (bf16 at head dim 64 or 128) where the CPU has
+# it, AVX2 (head dim a multiple of 16, every cache dtype) and the generic loop (head dim 72).
+# GQA groups of 1, 2, 3, 4, 8 and 16 (a group's heads go through V in tiles of up to 8, fewer
+# at d 128 under AVX512-BF16), block sizes 16 and 5, contexts of 1 to 300 tokens (odd, even,
+# multiples of 8 and 16 and not). The cache holds NaN outside the contexts: any read of it shows.
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 8, 128),
-                                                  (8, 2, 64), (8, 2, 128)])
+                                                  (8, 2, 64), (8, 2, 128), (8, 1, 16), (16, 1, 48),
+                                                  (3, 1, 72), (32, 2, 32)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_cpu_kernel_bf16_head_dims(heads, kv_heads, dim, block_size):
-    seq_lens = [1, 2, 15, 16, 17, 32, 33, 100, 300]
-    out, ref, _ = run_backend(cpu_backend, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
-                              kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"))
-    assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
+@pytest.mark.parametrize("dtype, kv_dtype, tol", [
+    (torch.bfloat16, None, 2e-2), (torch.float32, None, 1e-5), (torch.float16, None, 5e-3),
+    # int8: the query is rounded to int16 for q.k (1e-4 here, a hundredth of int8's own error)
+    (torch.float32, torch.int8, 5e-4), (torch.float32, torch.float8_e4m3fn, 1e-5),
+    (torch.float16, torch.float8_e5m2, 5e-3)], ids=["bf16", "fp32", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_cpu_decode_kernel_paths(heads, kv_heads, dim, block_size, dtype, kv_dtype, tol):
+    seq_lens = [1, 2, 7, 8, 9, 15, 16, 17, 32, 33, 100, 300]
+    out, ref, _ = run_backend(cpu_backend, dtype, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
+                              kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"), kv_dtype=kv_dtype)
+    assert torch.allclose(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ def test_kernel_writes_the_rows_quantize_rows_makes(kernels, kv_dtype, dtype):
     k = (torch.randn(tokens, kv_heads, dim, generator=g) * torch.rand(tokens, kv_heads, 1, generator=g) * 4).to(dtype)
     v = torch.randn(tokens, kv_heads, dim, generator=g).to(dtype)
     k[3, 1] = 0  # a row of zeros: scale 1, values 0
+    k[5, 0] *= 1e-37  # max|x| / qmax below float32's normal range: the scale stays normal, never 0
     slot_mapping = torch.randperm(slots, generator=g)[:tokens]
     native, reference = (KVCache.allocate(1, slots, kv_heads, dim, kv_dtype, torch.device("cpu")) for _ in range(2))
     kc, vc, ks, vs = native.layer(0)
@@ -70,6 +71,7 @@ def test_kernel_writes_the_rows_quantize_rows_makes(kernels, kv_dtype, dtype):
     assert (a != b).float().mean() < 1e-3
     assert native.scales[0, 0, slot_mapping[3], 1] == 1 and (native.data[0, 0, slot_mapping[3], 1].float() == 0).all()
     assert native.data.float().abs().max() <= QMAX[kv_dtype]
+    assert native.scales[0, 0, slot_mapping[5], 0] == torch.finfo(torch.float32).tiny
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=IDS[1:])
@@ -170,11 +172,34 @@ def test_bad_kv_cache_dtype_names_the_field(checkpoints):
         select_attention_backend("triton", torch.device("cpu"), torch.float32, 16, 16, "int8")
 
 
-def test_forked_sequences_copy_the_scales_with_the_blocks(checkpoints, quantized_run):
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_forked_sequences_copy_the_scales_with_the_blocks(kv_cache_dtype, checkpoints, quantized_run):
     """n=2 greedy forks after the prompt: the shared last block is copied on write, its scales
     with it, so both sequences give the single run's tokens."""
-    llm = LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory="32MiB", kv_cache_dtype="int8")
+    llm = LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory="32MiB", kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(n=2, max_tokens=32, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for out, single in zip(outs, quantized_run("int8")):
+    for out, single in zip(outs, quantized_run(kv_cache_dtype)):
         assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 2
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=IDS)
+def test_copy_slots_copies_every_bit(kv_dtype):
+    cache = KVCache.allocate(2, 8, 2, 16, kv_dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    cache.data.view(torch.uint8).copy_(torch.randint(0, 256, cache.data.shape, generator=g, dtype=torch.uint8))
+    cache.scales.uniform_(0.5, 2, generator=g)
+    src, dst = torch.tensor([1, 6]), torch.tensor([3, 0])
+    cache.copy_slots(dst, src)
+    assert torch.equal(cache.data[:, :, dst].view(torch.uint8), cache.data[:, :, src].view(torch.uint8))
+    assert torch.equal(cache.scales[:, :, dst], cache.scales[:, :, src])
+
+
+def test_kernels_name_a_cache_dtype_that_is_neither_q_nor_8bit(kernels):
+    k = torch.zeros(4, 1, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, 16)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="a cache of BFloat16 with q of Float"):
+        kernels.paged_decode_attention(torch.empty_like(q), q, k, k, table, lens, 4, 1.0)
+    with pytest.raises(RuntimeError, match="a cache of BFloat16 for k of Float"):
+        kernels.write_kv(q, q, k, k, torch.zeros(1, dtype=torch.long))

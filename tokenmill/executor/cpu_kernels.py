@@ -29,7 +29,7 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _SRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "sampling.cpp")
+_SOURCES = ("bindings.cpp", "attention.cpp", "decode_attention_avx2.cpp", "prefill_attention.cpp", "elementwise.cpp", "sampling.cpp")
 _HEADERS = tuple(sorted(p.name for p in _SRC.glob("*.h")))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 

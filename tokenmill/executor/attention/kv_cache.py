@@ -77,7 +77,8 @@ class KVCache:
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Every layer's K/V (and scales) of slots `src` into slots `dst` (copy on write)."""
-        self.data[:, :, dst] = self.data[:, :, src]
+        data = as_bytes(self.data)
+        data[:, :, dst] = data[:, :, src]
         if self.scales is not None:
             self.scales[:, :, dst] = self.scales[:, :, src]
 
@@ -93,7 +94,8 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     qmax = QMAX[dtype]
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    s = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # at least the smallest normal float, as the CPU kernel keeps it (a subnormal may flush to 0)
+    s = torch.where(amax > 0, (amax / qmax).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
     scaled = (x / s.unsqueeze(-1)).clamp_(-qmax, qmax)
     return (scaled.round_() if dtype == torch.int8 else scaled).to(dtype), s
 

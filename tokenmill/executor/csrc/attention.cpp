@@ -9,7 +9,9 @@
 // Work is split by request; each handles every head, and with it each kv head's
 // query group (GQA), so every K/V row is read once per step. Math is float32.
 //
-// bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes a faster path
+// Where the build has AVX2 (+ FMA, F16C) and head_dim is a multiple of 16, every cache dtype
+// goes to decode_attention_avx2.cpp instead; decode_attention below is the portable loop.
+// bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes a faster path still
 // (decode_attention_bf16): q.k and p.v by vdpbf16ps (bf16 products, float32 sums), 16
 // scores reduced at once, the output accumulated in registers. As in PyTorch's CPU
 // flash attention, the probabilities are rounded to bfloat16 before p.v.
@@ -20,24 +22,15 @@
 #include <limits>
 #include <vector>
 
+bool paged_decode_attention_avx2(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                                 const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
+                                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
+                                 float scale);
+
 namespace {
 using namespace tokenmill;
 
-// s[0:len] = softmax(s[0:len]), in place (exp vectorizes: the build uses -ffast-math,
-// so nothing here may be inf)
-inline void softmax_inplace(float* s, int64_t len) {
-  float mx = -std::numeric_limits<float>::max();
-  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < len; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
-  const float inv = 1.f / sum;
-#pragma omp simd
-  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-}
+bool is_8bit(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 // C: the cache's element type, T's or an 8-bit one (kQuantized) whose rows are each
 // multiplied by their scale ([slots, kv_heads] float32) as they are read.
@@ -225,6 +218,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: k and v caches differ in dtype");
   if (k_cache.scalar_type() != q.scalar_type()) {
+    TORCH_CHECK(is_8bit(k_cache.scalar_type()), "paged_decode_attention: a cache of ", k_cache.scalar_type(),
+                " with q of ", q.scalar_type(), " (the cache holds q's dtype, or int8, float8_e4m3fn, float8_e5m2)");
     TORCH_CHECK(k_scales && v_scales, "paged_decode_attention: an 8-bit cache needs k_scales and v_scales");
     for (const auto& s : {*k_scales, *v_scales}) {
       TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == k_cache.size(0) * num_kv_heads,
@@ -232,6 +227,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     }
     const float* ks = k_scales->data_ptr<float>();
     const float* vs = v_scales->data_ptr<float>();
+    if (paged_decode_attention_avx2(out, q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
+                                    static_cast<float>(scale))) {
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_q", [&] {
       using T = scalar_t;
       auto run = [&](auto* kc, auto* vc) {
@@ -265,6 +264,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     return;
   }
 #endif
+  if (paged_decode_attention_avx2(out, q, k_cache, v_cache, nullptr, nullptr, block_table, seq_lens, block_size,
+                                  static_cast<float>(scale))) {
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                                v_cache.data_ptr<scalar_t>(), nullptr, nullptr,
@@ -287,7 +290,8 @@ void write_quantized(const T* src, int64_t src_stride, C* cache, float* scales, 
         const T* row = src + t * src_stride + h * head_dim;
         float amax = 0.f;
         for (int64_t e = 0; e < head_dim; ++e) amax = std::max(amax, std::abs(load(row, e)));
-        const float s = amax > 0.f ? amax / qmax : 1.f;
+        // at least the smallest normal float: a subnormal scale could flush to 0 (-ffast-math)
+        const float s = amax > 0.f ? std::max(amax / qmax, std::numeric_limits<float>::min()) : 1.f;
         const int64_t slot_head = slots[t] * kv_heads + h;
         C* dst = cache + slot_head * head_dim;
         for (int64_t e = 0; e < head_dim; ++e) dst[e] = quantize_element<C>(load(row, e) / s, qmax);
@@ -312,6 +316,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
                   k.size(1) * k.size(2) && v_cache.scalar_type() == k_cache.scalar_type(),
               "write_kv: caches must be contiguous [slots, kv_heads, d] of one dtype");
   if (k_cache.scalar_type() != k.scalar_type()) {
+    TORCH_CHECK(is_8bit(k_cache.scalar_type()), "write_kv: a cache of ", k_cache.scalar_type(), " for k of ",
+                k.scalar_type(), " (the cache holds k's dtype, or int8, float8_e4m3fn, float8_e5m2)");
     TORCH_CHECK(k_scales && v_scales, "write_kv: an 8-bit cache needs k_scales and v_scales");
     const int64_t kv_heads = k.size(1), head_dim = k.size(2);
     for (const auto& s : {*k_scales, *v_scales}) {

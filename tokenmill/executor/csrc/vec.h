@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -149,6 +150,22 @@ inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 #endif
+
+// s[0:len] = softmax(s[0:len]), in place (exp vectorizes: the build uses -ffast-math,
+// so nothing here may be inf)
+inline void softmax_inplace(float* s, int64_t len) {
+  float mx = -std::numeric_limits<float>::max();
+  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
 
 // rows[t] = element offset of context token t's slot in a [slots, kv_heads, d] cache, for
 // t < len, block by block (no division per token); rows[len:end] repeat the last real row,

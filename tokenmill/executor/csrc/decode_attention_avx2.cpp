@@ -1,0 +1,290 @@
+// Paged decode attention written out in AVX2 + FMA + F16C, for every cache element type:
+// float32, bfloat16, float16 and the 8-bit caches (int8, fp8 e4m3 / e5m2, each row with its
+// scale). Same arguments and results as attention.cpp's generic decode_attention; it runs
+// wherever the build has these instructions and head_dim is a multiple of 16.
+//
+// One job = one request's kv head and the query heads that share it (up to 8 at a time):
+//   scores   each K row is widened to float once and multiplied into every head's query
+//            (int8: the query rounded to int16 per head, q.k summed in int32 by vpmaddwd);
+//            8 tokens' dot products are summed across lanes together (hsum8).
+//   softmax  over the context, then each probability times its V row's scale.
+//   p.v      the output tile (heads x a slice of head_dim) stays in 8 registers while the
+//            context streams past; each V row is widened once per slice.
+// fp8 widens through float16: e5m2 is a float16's upper byte; e4m3 (s eeee mmm) placed as
+// the float16 s0eeeemmm0000000 is the fp8 value / 256, subnormals included, so its rows'
+// scales are multiplied by 256.
+#include "vec.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include <atomic>
+#include <limits>
+
+namespace {
+using namespace tokenmill;
+
+// 8 consecutive cache elements as float (e4m3: divided by 256)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const c10::Float8_e5m2* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  // byte << 8 puts the sign in bit 15; the arithmetic shift right copies it into bit 14
+  // (the float16 exponent's top bit), which the mask clears
+  const __m128i h = _mm_srai_epi16(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8), 1);
+  return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0xBFFF))));
+}
+template <typename C>
+constexpr float kUnit = std::is_same_v<C, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
+// lane i = the sum of the 8 lanes of a[i]
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+inline __m256 hsum8(const __m256i* a) {
+  const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+  const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+  return _mm256_cvtepi32_ps(
+      _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31)));
+}
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
+}
+
+// rows are prefetched this many tokens ahead of their use (a memory latency's worth)
+constexpr int64_t kAhead = 48;
+
+// What one thread keeps between jobs
+struct Scratch {
+  std::vector<int64_t> slot;                  // each context token's cache slot, padded to whole 8s (+kAhead)
+  std::vector<int64_t> rows;                  // its row's element offset: slot * kv_heads * head_dim
+  std::vector<float> k_scale, v_scale;        // each token's row scale (times kUnit) for this kv head
+  std::vector<float> scores;                  // [NG][padded]
+  std::vector<float> qf;                      // [NG][D], times the softmax scale
+  std::vector<int16_t> qi;                    // int8 caches: qf rounded to int16, [NG][D]
+  std::vector<float> acc;                     // [NG][D]
+};
+
+// scores[g][t] = q_g . k_t (times the row's scale) for the NG heads from head0, every t < len
+template <int NG, typename C>
+void score_tokens(Scratch& s, const C* k_head, int64_t len, int64_t padded, int64_t D, const float* q_scale) {
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    if constexpr (std::is_same_v<C, int8_t>) {
+      __m256i dots[NG][8];
+      for (int i = 0; i < 8; ++i) {
+        const int8_t* k = k_head + s.rows[t0 + i];
+        prefetch_row(k_head + s.rows[t0 + kAhead + i], D);
+        __m256i a[NG];
+        for (int g = 0; g < NG; ++g) a[g] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int64_t e = 0; e < D; e += 16) {
+          const __m256i kw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + e)));
+          for (int g = 0; g < NG; ++g) {
+            const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.qi.data() + g * D + e));
+            a[g] = _mm256_add_epi32(a[g], _mm256_madd_epi16(kw, qw));
+          }
+        }
+        for (int g = 0; g < NG; ++g) dots[g][i] = a[g];
+      }
+      const __m256 ks = _mm256_loadu_ps(s.k_scale.data() + t0);
+      for (int g = 0; g < NG; ++g)
+        _mm256_storeu_ps(s.scores.data() + g * padded + t0, _mm256_mul_ps(_mm256_mul_ps(hsum8(dots[g]), ks),
+                                                                          _mm256_set1_ps(q_scale[g])));
+    } else {
+      __m256 dots[NG][8];
+      for (int i = 0; i < 8; ++i) {
+        const C* k = k_head + s.rows[t0 + i];
+        prefetch_row(k_head + s.rows[t0 + kAhead + i], D * sizeof(C));
+        __m256 a[NG];
+        for (int g = 0; g < NG; ++g) a[g] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int64_t e = 0; e < D; e += 8) {
+          const __m256 kw = load8(k + e);
+          for (int g = 0; g < NG; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(s.qf.data() + g * D + e), kw, a[g]);
+        }
+        for (int g = 0; g < NG; ++g) dots[g][i] = a[g];
+      }
+      const __m256 ks = _mm256_loadu_ps(s.k_scale.data() + t0);
+      for (int g = 0; g < NG; ++g)
+        _mm256_storeu_ps(s.scores.data() + g * padded + t0, _mm256_mul_ps(hsum8(dots[g]), ks));
+    }
+  }
+}
+
+// acc[g][e] = sum over t < len of scores[g][t] * v_t[e] (the scores already weighted by
+// each row's scale): a tile of NG heads x 8 * W values in registers, slice by slice
+// (8 * W divides D; NG * W <= 8 leaves registers for the row and the probabilities)
+template <int NG, int W, typename C>
+void weigh_values(Scratch& s, const C* v_head, int64_t len, int64_t padded, int64_t D) {
+  for (int64_t e0 = 0; e0 < D; e0 += 8 * W) {
+    __m256 a[NG][W];
+    for (int g = 0; g < NG; ++g)
+      for (int w = 0; w < W; ++w) a[g][w] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const C* v = v_head + s.rows[t] + e0;
+      if (e0 == 0) prefetch_row(v_head + s.rows[t + kAhead], D * sizeof(C));
+      __m256 p[NG];
+      for (int g = 0; g < NG; ++g) p[g] = _mm256_set1_ps(s.scores[g * padded + t]);
+      for (int w = 0; w < W; ++w) {
+        const __m256 x = load8(v + 8 * w);
+        for (int g = 0; g < NG; ++g) a[g][w] = _mm256_fmadd_ps(p[g], x, a[g][w]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int w = 0; w < W; ++w) _mm256_storeu_ps(s.acc.data() + g * D + e0 + 8 * w, a[g][w]);
+  }
+}
+
+template <int NG, typename T, typename C>
+void attend_heads(Scratch& s, const T* q_row, T* out_row, const C* k_head, const C* v_head, int64_t len,
+                  int64_t padded, int64_t D, float scale) {
+  float q_scale[NG] = {};
+  s.qf.resize(NG * D);
+  load_row(q_row, s.qf.data(), NG * D);
+  for (int64_t i = 0; i < NG * D; ++i) s.qf[i] *= scale;
+  if constexpr (std::is_same_v<C, int8_t>) {
+    // each head's query rounded to int16 (|q.k| < 32767 * 127 * D fits int32 for D <= 512)
+    s.qi.resize(NG * D);
+    for (int g = 0; g < NG; ++g) {
+      const float* qg = s.qf.data() + g * D;
+      float amax = 0.f;
+      for (int64_t e = 0; e < D; ++e) amax = std::max(amax, std::abs(qg[e]));
+      q_scale[g] = amax > 0.f ? amax / 32767.f : 1.f;
+      const float inv = 1.f / q_scale[g];
+      for (int64_t e = 0; e < D; ++e) s.qi[g * D + e] = static_cast<int16_t>(std::nearbyint(qg[e] * inv));
+    }
+  }
+  score_tokens<NG>(s, k_head, len, padded, D, q_scale);
+  for (int g = 0; g < NG; ++g) {
+    float* p = s.scores.data() + g * padded;
+    softmax_inplace(p, len);
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) p[t] *= s.v_scale[t];  // each probability weighted by its V row's scale
+  }
+  s.acc.resize(NG * D);
+  constexpr int W = 8 / NG;
+  if (D % (8 * W) == 0) {
+    weigh_values<NG, W>(s, v_head, len, padded, D);
+  } else {
+    weigh_values<NG, std::min(W, 2)>(s, v_head, len, padded, D);  // D is a multiple of 16
+  }
+  store_row(out_row, s.acc.data(), NG * D);
+}
+
+template <typename T, typename C>
+void decode_attention_avx2(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const float* k_scales,
+                           const float* v_scales, const int32_t* block_table, const int32_t* seq_lens, T* out,
+                           int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t D,
+                           int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * D;
+  // heads attended together: the most that fit the register tile and divide the group
+  const int ng = group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+  std::atomic<int64_t> next_job{0};
+  const int64_t num_jobs = num_reqs * num_kv_heads;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch s;
+    int64_t prepared = -1;  // the request whose rows are in s.rows
+    for (int64_t job = next_job++; job < num_jobs; job = next_job++) {
+      const int64_t r = job / num_kv_heads, h = job % num_kv_heads;
+      const int64_t len = seq_lens[r];
+      const int64_t padded = (len + 7) / 8 * 8;
+      if (prepared != r) {
+        // each token's slot and its row's element offset; past len the last ones again (real memory)
+        const int32_t* blocks = block_table + r * max_blocks;
+        s.slot.resize(padded + kAhead);
+        s.rows.resize(padded + kAhead);
+        for (int64_t j = 0, t = 0; t < len; ++j) {
+          const int64_t first = static_cast<int64_t>(blocks[j]) * block_size;
+          for (int64_t i = 0; i < block_size && t < len; ++i, ++t) s.slot[t] = first + i;
+        }
+        for (int64_t t = len; t < padded + kAhead; ++t) s.slot[t] = s.slot[len - 1];
+        for (int64_t t = 0; t < padded + kAhead; ++t) s.rows[t] = s.slot[t] * slot_stride;
+        prepared = r;
+      }
+      s.k_scale.resize(padded);
+      s.v_scale.resize(padded);
+      for (int64_t t = 0; t < padded; ++t) {
+        if constexpr (kQuantized<C>) {
+          const int64_t i = s.slot[t] * num_kv_heads + h;
+          s.k_scale[t] = k_scales[i] * kUnit<C>;
+          s.v_scale[t] = v_scales[i] * kUnit<C>;
+        } else {
+          s.k_scale[t] = s.v_scale[t] = 1.f;
+        }
+      }
+      s.scores.resize(std::max(ng, 1) * padded);
+      for (int64_t head0 = h * group; head0 < (h + 1) * group; head0 += ng) {
+        const T* q_row = q + r * q_stride + head0 * D;
+        T* out_row = out + (r * num_heads + head0) * D;
+        const C* kh = k_cache + h * D;
+        const C* vh = v_cache + h * D;
+        switch (ng) {
+          case 8: attend_heads<8>(s, q_row, out_row, kh, vh, len, padded, D, scale); break;
+          case 4: attend_heads<4>(s, q_row, out_row, kh, vh, len, padded, D, scale); break;
+          case 2: attend_heads<2>(s, q_row, out_row, kh, vh, len, padded, D, scale); break;
+          default: attend_heads<1>(s, q_row, out_row, kh, vh, len, padded, D, scale);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Runs the decode if this build and these shapes allow it; false leaves it to the caller.
+// Arguments as paged_decode_attention's (checked there); scales null for a 16/32-bit cache.
+bool paged_decode_attention_avx2(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                                 const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
+                                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
+                                 float scale) {
+  const int64_t D = q.size(2);
+  if (D % 16 != 0 || D > 512) return false;
+  auto with_q = [&](auto* q_data) -> bool {
+    using T = std::remove_pointer_t<decltype(q_data)>;
+    auto run = [&](auto* kc, auto* vc) {
+      decode_attention_avx2(q_data, q.stride(0), kc, vc, k_scales, v_scales, block_table.data_ptr<int32_t>(),
+                            seq_lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), q.size(1), k_cache.size(1), D,
+                            block_size, block_table.size(1), scale);
+      return true;
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kChar: return run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+      case at::kFloat8_e4m3fn:
+        return run(k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>());
+      case at::kFloat8_e5m2: return run(k_cache.data_ptr<c10::Float8_e5m2>(), v_cache.data_ptr<c10::Float8_e5m2>());
+      default:
+        return k_cache.scalar_type() == q.scalar_type() && run(k_cache.data_ptr<T>(), v_cache.data_ptr<T>());
+    }
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: return with_q(q.data_ptr<float>());
+    case at::kBFloat16: return with_q(q.data_ptr<c10::BFloat16>());
+    case at::kHalf: return with_q(q.data_ptr<c10::Half>());
+    default: return false;
+  }
+}
+
+#else
+
+bool paged_decode_attention_avx2(torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                 const float*, const float*, const torch::Tensor&, const torch::Tensor&, int64_t,
+                                 float) {
+  return false;
+}
+
+#endif
