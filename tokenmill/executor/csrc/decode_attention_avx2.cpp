@@ -204,15 +204,9 @@ void decode_attention_avx2(const T* q, int64_t q_stride, const C* k_cache, const
       const int64_t len = seq_lens[r];
       const int64_t padded = (len + 7) / 8 * 8;
       if (prepared != r) {
-        // each token's slot and its row's element offset; past len the last ones again (real memory)
-        const int32_t* blocks = block_table + r * max_blocks;
-        s.slot.resize(padded + kAhead);
+        // each token's slot (past len the last one again: real memory) and its row's element offset
+        slot_rows(s.slot, block_table + r * max_blocks, len, padded + kAhead, block_size, 1);
         s.rows.resize(padded + kAhead);
-        for (int64_t j = 0, t = 0; t < len; ++j) {
-          const int64_t first = static_cast<int64_t>(blocks[j]) * block_size;
-          for (int64_t i = 0; i < block_size && t < len; ++i, ++t) s.slot[t] = first + i;
-        }
-        for (int64_t t = len; t < padded + kAhead; ++t) s.slot[t] = s.slot[len - 1];
         for (int64_t t = 0; t < padded + kAhead; ++t) s.rows[t] = s.slot[t] * slot_stride;
         prepared = r;
       }
@@ -227,7 +221,7 @@ void decode_attention_avx2(const T* q, int64_t q_stride, const C* k_cache, const
           s.k_scale[t] = s.v_scale[t] = 1.f;
         }
       }
-      s.scores.resize(std::max(ng, 1) * padded);
+      s.scores.resize(ng * padded);
       for (int64_t head0 = h * group; head0 < (h + 1) * group; head0 += ng) {
         const T* q_row = q + r * q_stride + head0 * D;
         T* out_row = out + (r * num_heads + head0) * D;
