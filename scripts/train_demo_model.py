@@ -177,12 +177,8 @@ def copy_tokenizer(out: Path) -> None:
 
 # ---- evaluation: held-out function signatures completed greedily, checked with ast ----
 
-def function_prompts(files: list[tuple[str, str]], limit: int) -> list[tuple[str, str]]:
-    """(file text up to the colon of a def's signature, the signature lines) for defs of held-out files,
-    every k-th so that `limit` of them spread over all files. The prompt stops at the colon, not after
-    the newline: the tokenizer merges a newline with the next line's indent, so a prompt ending in a
-    bare newline tells the model the next line is not indented."""
-    found = []
+def functions(files: list[tuple[str, str]]):
+    """(file text, its lines, a def's node) for every def of the files that parse."""
     for _, text in files:
         try:
             tree = ast.parse(text)
@@ -190,12 +186,21 @@ def function_prompts(files: list[tuple[str, str]], limit: int) -> list[tuple[str
             continue
         lines = text.splitlines(keepends=True)
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            end = node.body[0].lineno - 1  # lines before the first statement: the signature
-            if end < node.lineno or not lines[end - 1].rstrip().endswith(":"):
-                continue  # a one-line def, or comments between the signature and the body
-            found.append(("".join(lines[:end]).rstrip(), "".join(lines[node.lineno - 1:end]).rstrip()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield text, lines, node
+
+
+def function_prompts(files: list[tuple[str, str]], limit: int) -> list[tuple[str, str]]:
+    """(file text up to the colon of a def's signature, the signature lines) for defs of held-out files,
+    every k-th so that `limit` of them spread over all files. The prompt stops at the colon, not after
+    the newline: the tokenizer merges a newline with the next line's indent, so a prompt ending in a
+    bare newline tells the model the next line is not indented."""
+    found = []
+    for _, lines, node in functions(files):
+        end = node.body[0].lineno - 1  # lines before the first statement: the signature
+        if end < node.lineno or not lines[end - 1].rstrip().endswith(":"):
+            continue  # a one-line def, or comments between the signature and the body
+        found.append(("".join(lines[:end]).rstrip(), "".join(lines[node.lineno - 1:end]).rstrip()))
     return found[::max(1, len(found) // limit)][:limit]
 
 

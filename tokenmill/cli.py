@@ -50,6 +50,10 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--kv-cache-dtype": ("kv_cache_dtype", dict(default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
                                                 help="8-bit KV cache with a scale per token and head (about 1.9x the "
                                                      "tokens of bf16); auto: the model's dtype")),
+    "--speculative-config": ("speculative_config", dict(
+        default=None, type=lambda v: _json_object("--speculative-config", v, '(vLLM\'s keys)'),
+        help='speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 3}')),
 }
 
 

@@ -40,6 +40,46 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys). `ngram`: prompt lookup, the
+    drafts are the tokens that followed the latest earlier occurrence of the request's last
+    n tokens (n from prompt_lookup_max down to prompt_lookup_min)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (supported: {', '.join(known)})")
+        method = d.get("method")
+        if method == "draft_model":
+            raise ValueError("speculative_config.method: 'draft_model' is not built yet (supported: ngram)")
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method must be one of ngram; got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        # vLLM's defaults: 5 and 5; one given, the other equals it
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method, k, lo, hi)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything that decides how the engine runs. Names match the CLI flags."""
@@ -67,8 +107,14 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     quantization: str = "auto"  # auto (the checkpoint's quantization_config, else none) | none | int8 | fp8
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 | int8
+    # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        elif self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a dict, got {type(self.speculative_config).__name__}")
         _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _one_of("load_format", self.load_format, ("auto", "safetensors", "dummy"))
         _one_of("device", self.device, ("auto", "cpu", "cuda"))

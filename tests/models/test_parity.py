@@ -200,3 +200,29 @@ def test_prompt_logprobs_match_transformers(engine_args, checkpoints):
     if "block_size" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.kv_cache.check_integrity()
+
+
+# n-gram drafts from the request's own tokens; short n-grams, so that these random models'
+# repetitive outputs get both accepted and rejected drafts
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(),
+    dict(max_num_batched_tokens=7),  # drafts cut by the token budget, prompts chunked
+    dict(block_size=4, kv_cache_memory=160 * 512),  # preemption
+], ids=["plain", "chunked-7", "preemption"])
+def test_speculative_greedy_matches_transformers(engine_args, checkpoints, hf_reference):
+    """Greedy decoding with drafts gives HF's tokens, and logprobs close to HF's."""
+    llm, ours = generate(checkpoints("llama"), speculative_config=SPEC, **engine_args)
+    assert [o.outputs[0].token_ids for o in ours] == [t for t, _ in hf_reference("llama")]
+    for out, (_, hf_lp) in zip(ours, hf_reference("llama")):
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            tok = out.outputs[0].token_ids[step]
+            assert lp[tok] == pytest.approx(hf_lp[step][tok].item(), abs=1e-3)
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+    if "block_size" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.kv_cache.check_integrity()
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks

@@ -56,13 +56,13 @@ class FakeRunner:
         bs = self.block_size
         rows = list(zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens, out.block_tables))
         fps = {}
-        # every layer writes K/V of all scheduled tokens before attention reads any
-        for req, computed, n, table in rows:
+        # every layer writes K/V of all scheduled tokens (drafts included) before attention reads any
+        for (req, computed, n, table), drafts in zip(rows, out.spec_token_ids):
             assert n >= 1, f"{req.request_id} scheduled for {n} tokens"
-            assert computed + n <= req.num_tokens, f"{req.request_id} scheduled past its last token"
+            assert computed + n <= req.num_tokens + len(drafts), f"{req.request_id} scheduled past its last token"
             assert len(table) == math.ceil((computed + n) / bs), \
                 f"{req.request_id}: table of {len(table)} blocks for {computed + n} tokens"
-            fps[req.request_id] = self.fingerprints(req.all_token_ids, computed + n)
+            fps[req.request_id] = self.fingerprints(req.all_token_ids + drafts, computed + n)
             for p in range(computed, computed + n):
                 self.slots[(table[p // bs], p % bs)] = fps[req.request_id][p]
         sampled = []
@@ -73,9 +73,15 @@ class FakeRunner:
                     raise StaleKVError(f"step {self.num_steps}: {req.request_id} reads a stale K/V at "
                                        f"position {p} (block {table[p // bs]}; computed {computed}, "
                                        f"scheduled {n})")
-            if self.last_samples[i]:
-                tok = self.next_token_fn(req) if self.next_token_fn else next_token(req.all_token_ids, self.vocab)
-                sampled.append((tok, None))
+            if self.last_samples[i]:  # drafts are accepted while they are what the model would give
+                drafts, ids, tokens = out.spec_token_ids[i], list(req.all_token_ids), []
+                while True:
+                    tok = self.next_token_fn(req) if self.next_token_fn else next_token(ids, self.vocab)
+                    tokens.append((tok, None))
+                    if len(tokens) > len(drafts) or drafts[len(tokens) - 1] != tok:
+                        break
+                    ids.append(tok)
+                sampled.append(tokens)
         self.num_steps += 1
         return ModelRunnerOutput(sampled)
 
@@ -103,11 +109,12 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
     assert len(ids) == len(set(ids))
     assert len(out.requests) == len(out.num_computed_tokens) == len(out.num_scheduled_tokens) \
         == len(out.block_tables)
-    for req, computed, n, table in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens,
-                                       out.block_tables):
+    for req, computed, n, table, drafts in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens,
+                                               out.block_tables, out.spec_token_ids, strict=True):
         assert req.status == RequestStatus.RUNNING
         assert req in sched.running
-        assert n >= 1 and computed + n <= req.num_tokens
+        assert n >= 1 and computed + n <= req.num_tokens + len(drafts)
+        assert not drafts or computed + n == req.num_tokens + len(drafts)  # drafts come after the known tokens
         assert req.num_computed_tokens == computed + n
         assert table == sched.kv.get_block_ids(req.request_id)
     if out.total_num_scheduled_tokens < sched.max_num_batched_tokens:

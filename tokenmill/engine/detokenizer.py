@@ -30,11 +30,13 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.sent = 0  # characters of `text` already handed out as deltas
+        self.num_added = 0  # tokens the last add() took: all of them, or those up to a stop string
 
     def add(self, token_ids: list[int]) -> str | None:
         """Appends tokens to the text; returns the stop string hit, if any (the text is
-        then cut at it)."""
-        for token in token_ids:
+        then cut at it, and the tokens after the one that completed it are not taken)."""
+        self.num_added = len(token_ids)
+        for i, token in enumerate(token_ids):
             self.tokens.append(token)
             prefix = self.decode(self.tokens[self.prefix_offset:self.read_offset])
             full = self.decode(self.tokens[self.prefix_offset:])
@@ -44,6 +46,7 @@ class IncrementalDetokenizer:
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
                 hit = self._find_stop(start)
                 if hit is not None:
+                    self.num_added = i + 1
                     return hit
         return None
 

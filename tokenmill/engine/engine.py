@@ -10,7 +10,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -18,51 +17,15 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenmill.engine.grammar import Grammars
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus,
-                                     TokenLogprobs)
+from tokenmill.engine.outputs import Seq, Tracked, snapshot
+from tokenmill.engine.request import Request, RequestOutput, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.loader import choose_device, choose_dtype, resolve_model_path
 from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.executor.spec.ngram import NgramProposer
 from tokenmill.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("tokenmill")
-
-
-def _logprob_dict(entry: TokenLogprobs) -> dict[int, float]:
-    token, logprob, top = entry
-    return {**dict(top), token: logprob}
-
-
-@dataclass(slots=True)
-class _Seq:
-    """One sequence of a request: the request itself, or one forked from it (parallel sampling)."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    num_sent_tokens: int = 0  # output tokens handed out in RequestOutputs
-    num_decoded_tokens: int = 0  # output tokens fed to the detokenizer
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """A request as its caller knows it: its sequences (one, or n / best_of), by index."""
-
-    request: Request  # sequence 0, whose id the caller knows
-    prompt: str | None
-    seqs: list[_Seq]
-    final_only: bool = False
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # as dicts, built once when complete
-
-    @property
-    def finished(self) -> bool:
-        """Every sequence has finished, and none is still to be forked (an aborted or failed
-        request may end before its fork)."""
-        r = self.request
-        return (r.num_forks == 0 or r.is_finished) and all(seq.request.is_finished for seq in self.seqs)
-
-    @property
-    def error(self) -> str | None:
-        return next((seq.request.error for seq in self.seqs if seq.request.error is not None), None)
 
 
 def _check_without_tokenizer(params: SamplingParams) -> None:
@@ -103,8 +66,10 @@ class Engine:
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None
                                                                   else set())))
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids) if self.tokenizer else None
+        self.proposer = NgramProposer(config.speculative_config, self.max_model_len) \
+            if config.speculative_config is not None else None
         self._ids = itertools.count()
         self.total_steps = 0
         logger.info("model %s (%s, %s on %s, attention %s, quantization %s) loaded in %.2fs; KV cache: %d blocks "
@@ -188,15 +153,15 @@ class Engine:
             self.grammars.add(request)
         else:
             self.scheduler.add_request(request)
-        self._tracked[request.request_id] = _Tracked(request, prompt, [self._new_seq(request)], final_only)
+        self._tracked[request.request_id] = Tracked(request, prompt, [self._new_seq(request)], final_only)
 
-    def _new_seq(self, request: Request) -> _Seq:
+    def _new_seq(self, request: Request) -> Seq:
         sp = request.sampling_params
         detok = None
         if sp.detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self._decoder(sp.skip_special_tokens), request.prompt_token_ids,
                                            sp.stop_strings, sp.include_stop_str_in_output)
-        return _Seq(request, detok)
+        return Seq(request, detok)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request, every sequence of it, and frees their blocks; returns its final
@@ -210,8 +175,8 @@ class Engine:
         out = self._end(request.request_id, RequestStatus.FINISHED_ERROR, message)
         if out is None:  # never got in
             request.status, request.error, request.finish_time = RequestStatus.FINISHED_ERROR, message, time.time()
-            tracked = _Tracked(request, None, [_Seq(request, None)])
-            out = self._snapshot(tracked, tracked.seqs, "", [], finished=True)
+            tracked = Tracked(request, None, [Seq(request, None)])
+            out = snapshot(tracked, tracked.seqs, "", [], finished=True)
         return out
 
     def _end(self, request_id: str, status: RequestStatus, error: str | None) -> RequestOutput | None:
@@ -227,7 +192,7 @@ class Engine:
         tracked.request.error = error
         seq = tracked.seqs[0]
         text = seq.detokenizer.delta(True) if seq.detokenizer else ""
-        return self._snapshot(tracked, tracked.seqs[:1], text, [], finished=True)
+        return snapshot(tracked, tracked.seqs[:1], text, [], finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.grammars and self.grammars.pending)
@@ -267,8 +232,10 @@ class Engine:
                     request.error = verdict
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED
                                               if verdict == "stop" else RequestStatus.FINISHED_ERROR)
+        if self.proposer is not None:  # the drafts that the next step verifies
+            self.proposer.propose(changed)
         self.total_steps += 1
-        groups: dict[str, tuple[_Tracked, list[_Seq]]] = {}
+        groups: dict[str, tuple[Tracked, list[Seq]]] = {}
         for request in changed:
             if request.is_finished:  # a sequence's runner state goes when it ends, not with its group
                 self.runner.release(request.request_id)
@@ -289,12 +256,12 @@ class Engine:
                         self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ERROR)
                 tracked.request.status = RequestStatus.FINISHED_ERROR
                 tracked.request.error = f"{type(e).__name__}: {e}"
-                outputs.append(self._snapshot(tracked, tracked.seqs[:1], "", [], finished=True))
+                outputs.append(snapshot(tracked, tracked.seqs[:1], "", [], finished=True))
             if tracked.finished:
                 self._forget(tracked)
         return outputs
 
-    def _outputs(self, tracked: _Tracked, seqs: list[_Seq]) -> list[RequestOutput]:
+    def _outputs(self, tracked: Tracked, seqs: list[Seq]) -> list[RequestOutput]:
         """The outputs of one request's changed sequences this step."""
         sp = tracked.request.sampling_params
         ranked = tracked.request.ranked_by_logprob
@@ -309,15 +276,15 @@ class Engine:
                 chosen = sorted(chosen, key=lambda q: -q.request.cumulative_logprob)[:sp.n]
             if tracked.final_only:
                 deltas = [self._deltas(seq) for seq in chosen]  # decodes every chosen one's text
-                return [self._snapshot(tracked, chosen, *deltas[0], finished=True, index=0 if ranked else None)]
-            outs = [self._snapshot(tracked, [seq], *self._deltas(seq), finished=False, index=i)
+                return [snapshot(tracked, chosen, *deltas[0], finished=True, index=0 if ranked else None)]
+            outs = [snapshot(tracked, [seq], *self._deltas(seq), finished=False, index=i)
                     for i, seq in enumerate(chosen)]
         else:
-            outs = [self._snapshot(tracked, [seq], *self._deltas(seq), finished=False) for seq in seqs]
+            outs = [snapshot(tracked, [seq], *self._deltas(seq), finished=False) for seq in seqs]
         outs[-1].finished = tracked.finished
         return outs
 
-    def _forget(self, tracked: _Tracked) -> None:
+    def _forget(self, tracked: Tracked) -> None:
         """A finished request: the engine and the runner drop what they kept for it."""
         for seq in tracked.seqs:
             self.runner.release(seq.request.request_id)
@@ -325,19 +292,24 @@ class Engine:
         if self.grammars is not None:
             self.grammars.pending.pop(tracked.request.request_id, None)
 
-    def _detokenize(self, seq: _Seq) -> None:
+    def _detokenize(self, seq: Seq) -> None:
         """Feeds the new output tokens to the detokenizer; a stop string ends the sequence."""
         request = seq.request
         new_ids = request.all_token_ids[request.num_prompt_tokens + seq.num_decoded_tokens:]
         seq.num_decoded_tokens += len(new_ids)
         hit = seq.detokenizer.add(new_ids)
         if hit is not None:
+            # tokens accepted in the same step after the one that completed the stop string
+            extra = len(new_ids) - seq.detokenizer.num_added
+            if extra:
+                request.drop_last_tokens(extra)
+                seq.num_decoded_tokens -= extra
             request.stop_reason = hit
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.status = RequestStatus.FINISHED_STOPPED
 
-    def _deltas(self, seq: _Seq) -> tuple[str, list[int]]:
+    def _deltas(self, seq: Seq) -> tuple[str, list[int]]:
         """The text and token ids of a sequence not yet handed out."""
         request = seq.request
         new_text = ""
@@ -348,39 +320,6 @@ class Engine:
         seq.num_sent_tokens += len(new_ids)
         return new_text, new_ids
 
-    def _snapshot(self, tracked: _Tracked, seqs: list[_Seq], new_text: str, new_ids: list[int],
-                  finished: bool, index: int | None = None) -> RequestOutput:
-        """The request's state with `seqs` as its outputs (numbered from `index`, else by
-        their own index); the deltas are those of the first."""
-        completions = []
-        for i, seq in enumerate(seqs):
-            q = seq.request
-            logprobs = None
-            if q.logprobs is not None and q.is_finished:
-                # the whole list only once, at the end: rebuilding it every step would be quadratic
-                logprobs = [_logprob_dict(e) for e in q.logprobs]
-            completions.append(CompletionOutput(
-                index=q.index if index is None else index + i,
-                text=seq.detokenizer.text if seq.detokenizer is not None else "",
-                token_ids=q.output_token_ids,
-                finish_reason=q.finish_reason,
-                stop_reason=q.stop_reason,
-                logprobs=logprobs,
-                cumulative_logprob=q.cumulative_logprob if q.logprobs is not None or q.ranked_by_logprob else None,
-            ))
-        new_logprobs = None
-        first = seqs[0].request if seqs else None
-        if first is not None and first.logprobs is not None:
-            new_logprobs = [_logprob_dict(e) for e in first.logprobs[len(first.logprobs) - len(new_ids):]]
-        r = tracked.request
-        if tracked.prompt_logprobs is None and r.prompt_logprobs is not None and not r.needs_prompt_logprobs:
-            tracked.prompt_logprobs = [None if e is None else _logprob_dict(e) for e in r.prompt_logprobs]
-        metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time,
-                                 r.finish_time, max(r.num_cached_tokens, 0), r.num_preemptions)
-        return RequestOutput(r.request_id, tracked.prompt, r.prompt_token_ids, completions, finished,
-                             metrics, tracked.error or r.error, new_ids, new_text, new_logprobs,
-                             tracked.prompt_logprobs)
-
     def _decoder(self, skip_special_tokens: bool):
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:  # the Rust tokenizer directly: no Python wrapper per call
@@ -388,7 +327,7 @@ class Engine:
         return lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- stats ------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | list[int]]:
         kv = self.kv_cache
         return {
             "num_running": self.scheduler.num_running,
@@ -399,4 +338,8 @@ class Engine:
             "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+            "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
+            "spec_decode_num_unspeculated_steps": self.proposer.num_unspeculated_steps if self.proposer else 0,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.scheduler.num_accepted_per_position),
         }

@@ -220,6 +220,17 @@ class KVCacheManager:
         if finished:
             self.req_keys.pop(rid, None)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Speculative decoding: releases the request's blocks past its first `num_tokens`
+        tokens (those that held only rejected drafts; never registered, as drafts are not
+        part of the request's tokens when its blocks are keyed)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.release(reversed(extra))
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares all of the parent's blocks (one more reference each)."""
         blocks = self.req_blocks[parent.request_id]

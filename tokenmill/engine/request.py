@@ -48,7 +48,7 @@ class Request:
                  "status", "stop_reason", "error", "logprobs", "max_tokens", "eos_token_ids",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "last_token_time", "bad_words_token_ids", "prompt_logprobs", "parent", "index",
-                 "num_forks", "cumulative_logprob", "grammar")
+                 "num_forks", "cumulative_logprob", "grammar", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
@@ -85,6 +85,8 @@ class Request:
         self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs are computed
         # structured outputs: the grammar's matcher (llguidance), set by the engine once compiled
         self.grammar = None
+        # speculative decoding: draft tokens to verify in the next step (not part of all_token_ids)
+        self.spec_token_ids: list[int] = []
 
     def fork(self, index: int) -> Request:
         """Sequence `index` of this request's group, at the end of its prefill: the same prompt
@@ -106,6 +108,15 @@ class Request:
             child.grammar = self.grammar.deep_copy()
         return child
 
+    def drop_last_tokens(self, k: int) -> None:
+        """Takes back the last k output tokens (and their logprobs): speculative decoding
+        accepted them in the step whose earlier token completed a stop string."""
+        del self.all_token_ids[-k:]
+        if self.logprobs is not None:
+            for entry in self.logprobs[-k:]:
+                self.cumulative_logprob -= entry[1]
+            del self.logprobs[-k:]
+
     @property
     def ranked_by_logprob(self) -> bool:
         """Part of a best_of group: its sampled tokens' logprobs are summed to rank it."""
@@ -120,6 +131,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """num_tokens plus the drafts to verify: what the next step may compute."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

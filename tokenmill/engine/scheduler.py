@@ -3,7 +3,10 @@
 There is no prefill phase and no decode phase (DESIGN.md). Each step every chosen
 request gets `num_scheduled_tokens` under one token budget: a decode is a request
 scheduled for one token, a chunked prefill one scheduled for part of its prompt,
-a prefix hit one whose `num_computed_tokens` starts above zero.
+a prefix hit one whose `num_computed_tokens` starts above zero. With speculative
+decoding a decoding request is scheduled for 1 + k tokens, its drafts included
+(`num_tokens_with_spec`); after the step `num_computed_tokens` rolls back to the
+accepted tokens and the blocks past them are freed.
 
 Order of a step: running requests first (oldest first), preempting by recompute
 when the KV cache is full; then, if nothing was preempted, waiting requests are
@@ -37,6 +40,8 @@ class SchedulerOutput:
     # parallel sampling: (i, sequence) forked from requests[i] this step, sampling from its last row
     forked: list[tuple[int, Request]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
+    # speculative decoding: the draft tokens scheduled after each request's known tokens
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -59,10 +64,11 @@ class SchedulerOutput:
 
 
 class ModelRunnerOutput(NamedTuple):
-    """What one step computed: (token id, logprobs) for each request that samples, in order,
-    and the prompt logprobs computed this step, by request id, to append to each one's."""
+    """What one step computed: for each request that samples, in order, its new tokens as
+    (token id, logprobs): one, or with drafts the accepted ones and the target's next; and
+    the prompt logprobs computed this step, by request id, to append to each one's."""
 
-    sampled: list[tuple[int, TokenLogprobs | None]]
+    sampled: list[list[tuple[int, TokenLogprobs | None]]]
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
@@ -85,6 +91,11 @@ class Scheduler:
         self._order = itertools.count()
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prefill work done, recomputation included
+        # speculative decoding: drafts verified, drafts accepted, accepted at each draft position
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_per_position: list[int] = []
+        self.num_spec_steps = 0  # request-steps that verified drafts
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,7 +136,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -154,7 +165,10 @@ class Scheduler:
             out.num_computed_tokens.append(request.num_computed_tokens)
             out.num_scheduled_tokens.append(n)
             out.block_tables.append(self.kv.get_block_ids(request.request_id))
-            samples = request.num_computed_tokens + n == request.num_tokens
+            samples = request.num_computed_tokens + n >= request.num_tokens
+            # the drafts the budget left room for
+            del request.spec_token_ids[max(0, request.num_computed_tokens + n - request.num_tokens):]
+            out.spec_token_ids.append(request.spec_token_ids)
             out.sampling.append(samples)
             self.num_prompt_tokens_computed += max(0, min(n, request.num_prompt_tokens - request.num_computed_tokens))
             request.num_computed_tokens += n
@@ -214,23 +228,41 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:  # else ended during the step
                 request.prompt_logprobs.extend(entries)
-        for request, (token_id, logprobs) in zip(out.sampling_requests, result.sampled, strict=True):
+        for request, tokens in zip(out.sampling_requests, result.sampled, strict=True):
             if request.status != RequestStatus.RUNNING:
                 continue
-            request.all_token_ids.append(token_id)
-            if logprobs is not None:
-                request.cumulative_logprob += logprobs[1]
-                if request.logprobs is not None:
-                    request.logprobs.append(logprobs)
+            if request.spec_token_ids:
+                self._count_accepted(len(request.spec_token_ids), len(tokens) - 1)
+                request.spec_token_ids = []
+            for token_id, logprobs in tokens:  # one by one: a stop ends the request where it is
+                request.all_token_ids.append(token_id)
+                if logprobs is not None:
+                    request.cumulative_logprob += logprobs[1]
+                    if request.logprobs is not None:
+                        request.logprobs.append(logprobs)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            else:
+                if request.num_computed_tokens >= request.num_tokens:  # rejected drafts: roll back
+                    request.num_computed_tokens = request.num_tokens - 1
+                    self.kv.trim(request, request.num_computed_tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
             changed.append(request)
         return changed
+
+    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_position = self.num_accepted_per_position
+        per_position.extend([0] * (num_drafts - len(per_position)))
+        for j in range(num_accepted):
+            per_position[j] += 1
 
     # -- internals --------------------------------------------------------------
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -262,6 +294,7 @@ class Scheduler:
         (much of it from the prefix cache) and goes on exactly where it stopped."""
         self.kv.free(request, finished=False)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -4,7 +4,8 @@ Per step: every input is built once on the host with numpy (token ids, positions
 the slot mapping, the block table), each becomes one device tensor through the
 staging buffer (pinned, non-blocking on CUDA), attention metadata is built once,
 one forward runs over all scheduled tokens flattened (no padding between
-requests), logits are computed only for rows that sample, and the sampled ids
+requests), logits are computed only for rows that sample (with speculative drafts:
+a request's last 1 + k positions, verified in the sampler), and the sampled ids
 (with their logprobs) come back in the step's single device-to-host sync.
 Decode-only steps on CUDA replay a captured graph (executor/cuda_graphs.py).
 """
@@ -29,6 +30,7 @@ from tokenmill.executor.loader import load_model
 from tokenmill.executor.memory import num_kv_blocks
 from tokenmill.executor.penalties import PenaltyState
 from tokenmill.executor.sampler import Sampler, SamplingBatch
+from tokenmill.executor.spec.rejection import accepted_prefix
 from tokenmill.executor.staging import Staging
 
 logger = logging.getLogger("tokenmill")
@@ -91,17 +93,29 @@ class ModelRunner:
         query_lens = np.array(out.num_scheduled_tokens, dtype=np.int32)
         computed = np.array(out.num_computed_tokens, dtype=np.int64)
         input_ids: list[int] = []
-        for request, start, n in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens):
+        for request, start, n, drafts in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens,
+                                             out.spec_token_ids):
             input_ids.extend(request.all_token_ids[start:start + n])
+            input_ids.extend(drafts)  # scheduled after the known tokens
         block_table = np.zeros((len(query_lens), max(len(b) for b in out.block_tables)), dtype=np.int32)
         for i, blocks in enumerate(out.block_tables):
             block_table[i, :len(blocks)] = blocks
         positions, slot_mapping = token_slots(query_lens, computed, block_table, bs)
         seq_lens = (computed + query_lens).astype(np.int32)
-        # each sampling request's last token; a sequence forked this step samples from its parent's
-        sampling_rows = [i for i in range(len(out.requests)) if out.samples(i)] + [i for i, _ in out.forked]
+        # each sampling request's last token (with k drafts: its last k + 1); a sequence forked
+        # this step samples from its parent's last token
+        ends = np.cumsum(query_lens, dtype=np.int64)
+        logits_rows: list[int] = []
+        num_rows: list[int] = []  # per sampling request
+        for i, drafts in enumerate(out.spec_token_ids):
+            if out.samples(i):
+                logits_rows.extend(range(ends[i] - len(drafts) - 1, ends[i]))
+                num_rows.append(len(drafts) + 1)
+        for i, _ in out.forked:
+            logits_rows.append(ends[i] - 1)
+            num_rows.append(1)
         sampling = out.sampling_requests
-        logits_rows = np.cumsum(query_lens, dtype=np.int64)[sampling_rows] - 1
+        spec = len(logits_rows) > len(sampling)
 
         self.staging.begin()
         if out.block_copies:
@@ -119,13 +133,24 @@ class ModelRunner:
             self.staging.end()
             return ModelRunnerOutput([], prompt_logprobs)
         if out.forked or len(logits_rows) != len(hidden):
-            hidden = hidden[self.staging.to_device(logits_rows)]
-        batch = self._sampling_batch(sampling)
+            hidden = hidden[self.staging.to_device(np.array(logits_rows, dtype=np.int64))]
+        first_row = np.cumsum([0, *num_rows])
+        drafts = [d for i, d in enumerate(out.spec_token_ids) if out.samples(i)] + [[] for _ in out.forked]
+        if spec:  # a request with k drafts has k + 1 rows: its j-th verifies draft j, the last is the bonus
+            batch = self._sampling_batch([r for r, k in zip(sampling, num_rows) for _ in range(k)],
+                                         [j for k in num_rows for j in range(k)],
+                                         [t for d in drafts for t in (*d, -1)])
+        else:
+            batch = self._sampling_batch(sampling)
         if grammar_mask is not None:
             rows, bits = grammar_mask
-            batch.grammar = (self.staging.to_device(np.array(rows, dtype=np.int64)), self.staging.to_device(bits))
+            batch.grammar = (self.staging.to_device(first_row[rows].astype(np.int64)), self.staging.to_device(bits))
         self.staging.end()
-        return ModelRunnerOutput(self.sampler(self.model.compute_logits(hidden), batch), prompt_logprobs)
+        tokens = self.sampler(self.model.compute_logits(hidden), batch)
+        if not spec:
+            return ModelRunnerOutput([[t] for t in tokens], prompt_logprobs)
+        sampled = [accepted_prefix(d, tokens[first_row[j]:first_row[j + 1]]) for j, d in enumerate(drafts)]
+        return ModelRunnerOutput(sampled, prompt_logprobs)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy on write (parallel sampling): each destination block gets its source's K/V,
@@ -182,8 +207,12 @@ class ModelRunner:
             i += count
         return result
 
-    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+    def _sampling_batch(self, requests: list[Request], offsets: list[int] | None = None,
+                        drafts: list[int] | None = None) -> SamplingBatch:
+        """Per-row settings; with drafts, row i is output position num_output_tokens +
+        offsets[i] of its request and verifies the draft token drafts[i] (-1: none)."""
         vocab = self.model_config.vocab_size
+        draft_seeds = []
         temps, top_k, top_p, min_p, seeds, unseeded, num_logprobs = [], [], [], [], [], [], []
         banned_rows, banned_ids = [], []
         bias_rows, bias_ids, bias_values = [], [], []
@@ -201,7 +230,10 @@ class ModelRunner:
             use_min_p |= sp.min_p > 0.0
             if sp.seed is not None:
                 # the noise of output position j depends on (seed, j) only
-                seeds.append((row, hash((sp.seed, r.num_output_tokens)) & 0x7FFF_FFFF_FFFF_FFFF))
+                position = r.num_output_tokens + (offsets[row] if offsets else 0)
+                seeds.append((row, hash((sp.seed, position)) & 0x7FFF_FFFF_FFFF_FFFF))
+                if drafts and drafts[row] >= 0:  # and its draft's acceptance on (seed, j, 1)
+                    draft_seeds.append((row, hash((sp.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF))
             else:
                 unseeded.append(row)
             # a best_of sequence needs its chosen token's logprob to be ranked
@@ -239,6 +271,8 @@ class ModelRunner:
             penalties=self.penalties.batch(penalty_rows, penalty_requests, len(requests)) if penalty_rows else None,
             num_logprobs=num_logprobs,
             max_logprobs=max(wanted) if wanted else -1,
+            drafts=put(np.array(drafts, dtype=np.int64)) if drafts and not all_greedy else None,
+            draft_seeds=draft_seeds,
         )
 
 

@@ -10,7 +10,8 @@ row's probabilities, so no host sync until the caller reads the ids. (Gumbel-max
 would need a random number per vocabulary entry: 40 ms a step for 64 rows of
 32,000 on a CPU, where this takes about 2 ms.) A seeded request draws its number
 from a generator seeded by (seed, output position): its tokens depend on nothing
-else in the batch, and survive preemption unchanged.
+else in the batch, and survive preemption unchanged. A row that verifies a speculative
+draft accepts it or draws from the residual (executor/spec/rejection.py) in the same pass.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from tokenmill.engine.request import TokenLogprobs
 from tokenmill.executor.penalties import PenaltyBatch, apply_bias, apply_penalties
+from tokenmill.executor.spec.rejection import rejection_sample
 
 
 LOGPROB_FLOOR = -9999.0  # vLLM's: what a masked token's logprob (-inf) is reported as
@@ -44,6 +46,10 @@ class SamplingBatch:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values): logit_bias
     penalties: PenaltyBatch | None = None  # rows with presence / frequency / repetition penalties
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, int32 bits of allowed tokens): structured
+    # speculative decoding: [N] int64, the draft token each row verifies (-1: none), and the
+    # (row, seed) of seeded rows that verify one
+    drafts: torch.Tensor | None = None
+    draft_seeds: list[tuple[int, int]] | None = None
 
 
 class Sampler:
@@ -110,6 +116,9 @@ class Sampler:
         if batch.min_p is not None:
             threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
+        accepted = None
+        if batch.drafts is not None:  # before the draws: a draft row samples from its residual
+            probs, accepted = self._verify_drafts(probs, batch)
         uniform = torch.zeros(len(probs), device=probs.device)
         if batch.unseeded_rows is not None:
             rows = batch.unseeded_rows
@@ -124,9 +133,20 @@ class Sampler:
         total = cdf[:, -1]
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
         sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        if accepted is not None:
+            sampled = torch.where(accepted, batch.drafts, sampled)
         # a row whose probabilities are not finite (logits near the float limit, overflowed by the
         # temperature) takes its argmax: never a token its mask or grammar left out
         return torch.where(greedy_rows | ~torch.isfinite(total), greedy_ids, sampled)
+
+    def _verify_drafts(self, probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each draft row's acceptance draw (a seeded row's from (seed, position, 1)), then
+        rejection sampling (spec/rejection.py): the residual probabilities and the verdicts."""
+        uniform = torch.rand(len(probs), device=probs.device, generator=self.generator)
+        for row, seed in batch.draft_seeds or ():
+            gen = torch.Generator(device=probs.device).manual_seed(seed)
+            uniform[row] = torch.rand(1, device=probs.device, generator=gen)[0]
+        return rejection_sample(probs, batch.drafts, uniform)
 
     def _with_logprobs(self, ids: torch.Tensor, logprobs: torch.Tensor,
                        batch: SamplingBatch) -> list[tuple[int, TokenLogprobs | None]]:

@@ -48,6 +48,15 @@ class ServerMetrics:
                                       "cache").labels(**labels)
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**labels)
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later)").labels(**labels)
+        # speculative decoding (vLLM's names), mirrored from the engine's running totals
+        self._spec = {name: counter(name, doc).labels(**labels) for name, doc in (
+            ("spec_decode_num_draft_tokens", "Draft tokens verified"),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+            ("spec_decode_num_unspeculated_steps", "Request steps served without speculation because of the "
+                                                   "request's features (sampling, penalties, ...)"))}
+        self._spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                     "position among the drafts", ("position",))
+        self._seen_spec: dict[str, int] = {}
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token")
         self.tpot = histogram("time_per_output_token_seconds", "Per request: (last token - first token) / "
                               "(output tokens - 1)")
@@ -105,6 +114,18 @@ class ServerMetrics:
         preemptions = int(stats["num_preemptions"])
         self.preemptions.inc(preemptions - self._seen_preemptions)
         self._seen_preemptions = preemptions
+        if stats.get("spec_decode_num_draft_tokens"):
+            self._observe_spec(stats)
+
+    def _observe_spec(self, stats: dict) -> None:
+        totals = {name: int(stats[name]) for name in self._spec}
+        totals.update({f"pos{j}": n for j, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])})
+        for name, total in totals.items():
+            new = total - self._seen_spec.get(name, 0)
+            if new:
+                counter = self._spec.get(name) or self._spec_per_pos.labels(**self._labels, position=name[3:])
+                counter.inc(new)
+                self._seen_spec[name] = total
 
     def _finish(self, out: RequestOutput, now: float) -> None:
         self._last_token_time.pop(out.request_id, None)

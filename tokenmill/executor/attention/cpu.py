@@ -2,7 +2,8 @@
 
 - K and V of the new tokens are written by one kernel call per layer.
 - Decodes (one query token) go to the decode kernel, which reads each context
-  through the block table (executor/csrc/attention.cpp).
+  through the block table (executor/csrc/attention.cpp). So do the tokens of short
+  chunks (speculative decoding's 1 + k), each a row of it over the context up to it.
 - Chunks of several tokens (prompts, later chunks of a long prompt, the rest of a
   prompt after a prefix hit) in bfloat16 with head dim 64 or 128 on a CPU with
   AVX512-BF16 go to the prefill kernel, one call per layer for all of them
@@ -22,10 +23,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tokenmill.config import MAX_SPECULATIVE_TOKENS
 from tokenmill.executor.attention.base import AttentionMetadata, ToDevice
 from tokenmill.executor.attention.kv_cache import KVCache
 from tokenmill.executor.attention.torch_ref import TorchBackend, TorchPlan
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
+
+
+# queries this short go to the decode kernel token by token: decodes, and speculative
+# decoding's verification (the last token and its drafts)
+SHORT_QUERY = 1 + MAX_SPECULATIVE_TOKENS
 
 
 class KernelDecodes(NamedTuple):
@@ -71,9 +78,9 @@ class CpuBackend(TorchBackend):
         if self.kv_cache.quantized:
             self.decodes, self.chunks, self.plan = self._plan_query_rows(md), None, TorchPlan([], [])
             return
-        decodes = np.flatnonzero(md.query_lens_cpu == 1)
-        chunks = np.flatnonzero(md.query_lens_cpu > 1)
-        self.decodes = self._plan_kernel_decodes(md, decodes) if len(decodes) else None
+        decodes = np.flatnonzero(md.query_lens_cpu <= SHORT_QUERY)
+        chunks = np.flatnonzero(md.query_lens_cpu > SHORT_QUERY)
+        self.decodes = self._plan_query_rows(md, decodes) if len(decodes) else None
         self.chunks = None
         if len(chunks) and self.prefill_kernel:
             self.chunks = self._plan_kernel_chunks(md, chunks)
@@ -81,19 +88,18 @@ class CpuBackend(TorchBackend):
         self.plan = TorchPlan([], self.plan_chunks(md, chunks.tolist()))
         self._reserve_workspace()
 
-    def _plan_kernel_decodes(self, md: AttentionMetadata, rows: np.ndarray) -> KernelDecodes:
+    def _plan_query_rows(self, md: AttentionMetadata, rows: np.ndarray | None = None) -> KernelDecodes:
+        """Every query token of the requests `rows` (default: all) as a decode row: its
+        request's block table, the context up to and including it."""
+        if rows is None:
+            rows = np.arange(len(md.query_lens_cpu))
+        query_lens = md.query_lens_cpu[rows]
+        req = np.repeat(rows, query_lens)
+        # each token's place in its request's query
+        offset = np.arange(len(req)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+        token = md.query_start_loc_cpu[req] + offset
+        seq_lens = (md.seq_lens_cpu[req] - md.query_lens_cpu[req] + offset + 1).astype(np.int32)
         max_blocks = -(-int(md.seq_lens_cpu[rows].max()) // self.block_size)
-        return KernelDecodes(self.to_device(md.query_start_loc_cpu[rows].astype(np.int64)),
-                             self.to_device(np.ascontiguousarray(md.block_table_cpu[rows, :max_blocks])),
-                             self.to_device(md.seq_lens_cpu[rows]))
-
-    def _plan_query_rows(self, md: AttentionMetadata) -> KernelDecodes:
-        """Every query token as a decode row: its request's block table, the context up to it."""
-        query_lens = md.query_lens_cpu
-        req = np.repeat(np.arange(len(query_lens)), query_lens)
-        token = np.arange(len(req))
-        seq_lens = (md.seq_lens_cpu[req] - query_lens[req] + token - md.query_start_loc_cpu[req] + 1).astype(np.int32)
-        max_blocks = -(-int(md.seq_lens_cpu.max()) // self.block_size)
         return KernelDecodes(self.to_device(token.astype(np.int64)),
                              self.to_device(np.ascontiguousarray(md.block_table_cpu[req, :max_blocks])),
                              self.to_device(seq_lens))

@@ -1,0 +1,128 @@
+"""Speculative decoding on the built-in model, greedy, against decoding without drafts in the
+same run:
+
+    python benchmarks/speculative.py [--concurrency 1,4,16,64] [--methods ngram] [--rounds 2]
+
+Prompt sets (held-out standard-library files, as the built-in model's evaluation uses):
+completion  a file up to a function's signature (its last 384 tokens); the model writes the body
+rewrite     input-grounded: a whole function, then "# The same function, with its variables
+            renamed:" and its signature again; the model mostly copies the body it was shown
+
+At each concurrency c, 2c requests (at least 8) run through an engine with max_num_seqs = c,
+128 output tokens each (ignore_eos, so both sides do the same work). Reported: TPOT (median
+over requests of (last token - first token) / (tokens - 1)), output tokens/s, the acceptance
+rate (accepted / drafted tokens) and the mean accepted length (tokens a request gets from one
+verification step: 1 + accepted / verification steps). Methods and plain decoding take turns
+in each round; the medians over rounds are compared.
+
+Targets (issue 17): at concurrency 1, TPOT at least 1.8x better with n-gram on the rewrite set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from train_demo_model import function_prompts, functions, split_files  # noqa: E402
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+
+METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                     "prompt_lookup_max": 4}}
+OUTPUT_LEN = 128
+
+
+def rewrite_prompts(files: list[tuple[str, str]], limit: int) -> list[str]:
+    """A function of 300..1500 characters, then the request to write it again."""
+    found = []
+    for text, lines, node in functions(files):
+        source = ast.get_source_segment(text, node) if node.col_offset == 0 else None
+        if source and 300 <= len(source) <= 1500 and node.body[0].lineno > node.lineno:
+            signature = "".join(lines[node.lineno - 1:node.body[0].lineno - 1]).rstrip()
+            found.append(f"{source}\n\n\n# The same function, with its variables renamed:\n{signature}")
+    return found[::max(1, len(found) // limit)][:limit]
+
+
+def run(llm: LLM, prompts: list, tokenizer_limit: int = 384) -> dict:
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
+    inputs = [{"prompt_token_ids": llm.tokenizer.encode(p)[-tokenizer_limit:]} for p in prompts]
+    before = llm.engine.stats()
+    steps_before = llm.engine.scheduler.num_spec_steps
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    stats = llm.engine.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    tpot = statistics.median((o.metrics.last_token_time - o.metrics.first_token_time)
+                             / (len(o.outputs[0].token_ids) - 1) for o in outs)
+    drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    verify_steps = llm.engine.scheduler.num_spec_steps - steps_before
+    return {"tpot_ms": tpot * 1e3, "output_throughput": tokens / elapsed,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / verify_steps if verify_steps else None,
+            "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS))
+    parser.add_argument("--sets", type=lambda s: s.split(","), default=["completion", "rewrite"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--output-json", default="bench_results/speculative.json")
+    args = parser.parse_args()
+
+    _, val_files = split_files()
+    most = 2 * max(max(args.concurrency), 4)
+    sets = {"completion": [prompt for prompt, _ in function_prompts(val_files, most)],
+            "rewrite": rewrite_prompts(val_files, most)}
+    rows = []
+    for set_name in args.sets:
+        for c in args.concurrency:
+            prompts = sets[set_name][:max(2 * c, 8)]
+            llms = {"none": LLM(dtype=args.dtype, max_num_seqs=c)}
+            llms.update({m: LLM(dtype=args.dtype, max_num_seqs=c, speculative_config=METHODS[m])
+                         for m in args.methods})
+            for llm in llms.values():
+                run(llm, prompts[:2])  # warm-up
+            results = {name: [] for name in llms}
+            for _ in range(args.rounds):
+                for name, llm in llms.items():
+                    results[name].append(run(llm, prompts))
+            base = results["none"]
+            for name, runs in results.items():
+                assert all(r["token_ids"] == b["token_ids"] for r, b in zip(runs, base)), \
+                    f"{name} changed the greedy tokens"
+                row = {"set": set_name, "concurrency": c, "method": name, "requests": len(prompts)}
+                for key in ("tpot_ms", "output_throughput", "acceptance_rate", "mean_accepted_length"):
+                    values = [r[key] for r in runs if r[key] is not None]
+                    row[key] = statistics.median(values) if values else None
+                row["tpot_speedup"] = statistics.median(b["tpot_ms"] / r["tpot_ms"] for r, b in zip(runs, base))
+                row["throughput_ratio"] = statistics.median(r["output_throughput"] / b["output_throughput"]
+                                                            for r, b in zip(runs, base))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del llms
+    print(f"\n| set | concurrency | method | TPOT ms | tok/s | acceptance | mean accepted length | "
+          f"TPOT speed-up | throughput ratio |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
+        length = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
+        print(f"| {r['set']} | {r['concurrency']} | {r['method']} | {r['tpot_ms']:.2f} | "
+              f"{r['output_throughput']:.0f} | {acc} | {length} | {r['tpot_speedup']:.2f}x | "
+              f"{r['throughput_ratio']:.2f}x |")
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Speculative decoding (n-gram) on the built-in model, float32: greedy requests give exactly
+the tokens, text and logprobs of decoding without drafts, alone or mixed with requests that
+are served without speculation (penalised) or sampled; stop strings, max_tokens and EOS end
+outputs where decoding without drafts does; sampled requests keep the distribution; the
+cache's integrity holds after every step."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import scipy.stats
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import DEFAULT_MODEL_DIR
+
+SOURCE = (DEFAULT_MODEL_DIR.parent.parent / "engine" / "kv_cache.py").read_text()[2000:3200]
+# input-grounded: the model is asked to repeat code it has seen, so the drafts are often right
+COPY = "# a copy of the code above\n" + SOURCE + "\n\n# the same again\n" + SOURCE[:200]
+PROMPTS = [COPY, "def fibonacci(n):", "import os\nimport sys\nimport os\nimport sys\n", COPY[:600]]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def run(llm: LLM, params: list[SamplingParams]) -> list:
+    """Every prompt with its params, step by step, checking the cache after each step."""
+    engine = llm.engine
+    requests = [engine.make_request(p, sp, request_id=str(i)) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    for request, text in requests:
+        engine.add_request(request, text, final_only=True)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+        engine.kv_cache.check_integrity()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    return [outs[str(i)] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    args = dict(dtype="float32", kv_cache_memory="16MiB")
+    return LLM(**args), LLM(**args, speculative_config=SPEC)
+
+
+def completions(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def test_greedy_outputs_equal_decoding_without_drafts(engines):
+    plain, spec = engines
+    params = [SamplingParams(max_tokens=96, temperature=0, ignore_eos=True, logprobs=2)] * len(PROMPTS)
+    before = spec.engine.stats()
+    a, b = run(plain, params), run(spec, params)
+    assert completions(b) == completions(a)
+    for x, y in zip(a, b):
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert lx.keys() == ly.keys()
+            assert list(ly.values()) == pytest.approx(list(lx.values()), abs=1e-4)
+    stats = spec.engine.stats()
+    drafts = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted > drafts / 2  # the copy is mostly predicted
+    assert spec.engine.total_steps - plain.engine.total_steps < 0  # fewer steps for the same tokens
+
+
+def test_mixed_batch_each_request_gets_what_it_would_alone(engines):
+    """Greedy requests speculate; the penalised one is served without speculation (and
+    counted); the greedy ones and the penalised one equal the engine without drafts, the
+    seeded sampled one is reproducible."""
+    plain, spec = engines
+    params = [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=48, temperature=0, frequency_penalty=0.5, ignore_eos=True),
+              SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)]
+    before = spec.engine.stats()["spec_decode_num_unspeculated_steps"]
+    ours, theirs = completions(run(spec, params)), completions(run(plain, params))
+    assert [ours[i] for i in (0, 2, 3)] == [theirs[i] for i in (0, 2, 3)]
+    assert spec.engine.stats()["spec_decode_num_unspeculated_steps"] - before >= 48 - 1
+    assert completions(run(spec, params))[1] == ours[1]  # the sampled one: the same seed, the same tokens
+
+
+def test_stop_strings_eos_and_max_tokens_count_tokens_one_by_one(engines):
+    """A stop string completed by an accepted draft ends the output there, the tokens after it
+    in the same step are taken back; EOS and max_tokens end it where decoding would."""
+    plain, spec = engines
+    free = run(plain, [SamplingParams(max_tokens=96, temperature=0)] * len(PROMPTS))[0].outputs[0].text
+    at = next(i for i in range(40, len(free)) if free.find(free[i:i + 5]) == i)
+    stop = free[at:at + 5]  # first met some way into the output, where drafts are accepted
+    params = [SamplingParams(max_tokens=96, temperature=0, stop=[stop]),
+              SamplingParams(max_tokens=80, temperature=0),  # may end with EOS
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=96, temperature=0, stop=[stop], include_stop_str_in_output=True)]
+    a, b = run(plain, params), run(spec, params)
+    assert completions(b) == completions(a)
+    assert a[0].outputs[0].finish_reason == "stop" and a[0].outputs[0].stop_reason == stop
+    assert len(b[2].outputs[0].token_ids) == 5
+
+
+def test_sampled_tokens_keep_the_distribution_of_decoding_without_drafts(engines):
+    """Rejection sampling keeps the target's distribution: the 2nd and 3rd tokens of 400
+    seeded requests with drafts have the histogram of 400 without them (two-sample
+    chi-square), and the same seed gives the same tokens twice."""
+    plain, spec = engines
+    prompt = "import os\nimport sys\nimport re\nimport os\nimport sys\nimport re\nimport"
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True) for s in range(400)]
+    before = spec.engine.stats()
+    a = plain.generate([prompt] * 400, params, use_tqdm=False)
+    b = spec.generate([prompt] * 400, [replace(p, seed=p.seed + 1000) for p in params], use_tqdm=False)
+    stats = spec.engine.stats()
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted > 150  # the drafts ("os", "sys", ...) are often right
+    for pos in (1, 2):
+        ca = Counter(o.outputs[0].token_ids[pos] for o in a)
+        cb = Counter(o.outputs[0].token_ids[pos] for o in b)
+        common = [t for t in ca | cb if ca[t] + cb[t] >= 10]
+        table = [[c[t] for t in common] + [400 - sum(c[t] for t in common)] for c in (ca, cb)]
+        table = [row for row in zip(*table) if sum(row) > 0]  # columns with counts
+        assert scipy.stats.chi2_contingency(list(zip(*table))).pvalue > 1e-3, (pos, ca, cb)
+    again = spec.generate([prompt] * 8, [replace(p, seed=p.seed + 1000) for p in params[:8]], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in b[:8]]

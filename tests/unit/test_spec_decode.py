@@ -1,0 +1,159 @@
+"""Speculative decoding without a model: the config's errors, prompt-lookup drafts, rejection
+sampling's distribution, and the scheduler's tokens-with-spec bookkeeping (scheduling drafts, rolling back rejected ones,
+freeing their blocks) on test_scheduler's FakeRunner, whose shadow KV cache catches a stale
+slot, and whose outputs must equal a run without drafts."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from tests.unit.test_sampler import batch as sampler_batch
+from tests.unit.test_scheduler import FakeRunner, make_request, make_scheduler, next_token, step
+from tokenmill.config import EngineConfig
+from tokenmill.executor.sampler import Sampler
+from tokenmill.executor.spec.ngram import can_speculate, propose
+from tokenmill.executor.spec.rejection import accepted_prefix
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method must be one of ngram"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not built yet"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 16]"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be an integer in [1, 16]"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer in [1, 16], got None"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_min must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown key"),
+])
+def test_bad_speculative_config_names_the_key(spec, message):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(speculative_config=spec)
+    assert message in str(e.value)
+
+
+def test_lookup_defaults_follow_vllm():
+    cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)
+    cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                           "prompt_lookup_max": 3}).speculative_config
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 3)
+
+
+def test_ngram_takes_the_latest_of_the_longest_matches():
+    t = np.array([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3])
+    # "1 2 3" (n = 3) occurs at 0; "2 3" also at 6, later, but shorter
+    assert propose(t, 1, 3, 4) == [4, 5, 9, 2]
+    assert propose(t, 1, 2, 4) == [7, 1, 2, 3]  # n <= 2: the latest "2 3"
+    assert propose(t, 1, 3, 2) == [4, 5]  # k caps the drafts
+    assert propose(t, 4, 5, 4) == []  # no 4-gram repeats
+    assert propose(np.array([8, 8, 8, 8]), 1, 3, 5) == [8]  # only what follows the match exists
+    assert propose(np.array([1, 2, 3]), 1, 3, 2) == []
+    assert propose(t, 1, 3, 0) == []
+
+
+def test_acceptance_stops_at_the_first_difference():
+    rows = [(5, "a"), (6, "b"), (7, "c"), (8, "d")]
+    assert accepted_prefix([5, 6, 7], rows) == rows  # all three and the bonus token
+    assert accepted_prefix([5, 9, 7], rows) == rows[:2]  # the target's 6 replaces the draft 9
+    assert accepted_prefix([1, 6, 7], rows) == rows[:1]
+    assert accepted_prefix([], rows[:1]) == rows[:1]
+
+
+def test_what_rules_speculation_out():
+    assert can_speculate(make_request("g", [1, 2], temperature=0)) is None
+    assert can_speculate(make_request("s", [1, 2], temperature=0.8, seed=1)) is None
+    assert can_speculate(make_request("p", [1, 2], temperature=0, presence_penalty=0.5)) == "penalties"
+    assert can_speculate(make_request("m", [1, 2], temperature=0, min_tokens=3)) == "penalties"
+    assert can_speculate(make_request("b", [1, 2], temperature=0, n=2)) == "best_of"
+
+
+def drafts_for(request, rng: random.Random, k: int) -> list[int]:
+    """Drafts as a proposer might make them: the true continuation for a while, then noise."""
+    ids, out = list(request.all_token_ids), []
+    right = rng.randint(0, k)
+    for j in range(rng.randint(0, k)):
+        tok = next_token(ids) if j < right else rng.randrange(1000)
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_size, num_blocks, budget", [(4, 64, 64), (4, 14, 64), (1, 40, 9), (2, 30, 5)])
+def test_drafts_roll_back_and_outputs_equal_a_run_without_them(seed, block_size, num_blocks, budget):
+    """Random requests (some sharing a prefix) with random drafts, under small caches and
+    budgets (preemption, drafts cut by the budget): every step the cache's integrity holds,
+    no request reads a stale slot (a rejected draft's K/V, a block registered from a draft),
+    each running request holds exactly the blocks of its computed tokens, and every
+    request's tokens equal those of a run without drafts."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1000) for _ in range(6)]
+    prompts = [(shared if rng.random() < 0.5 else []) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
+               for _ in range(8)]
+    max_tokens = [rng.randint(1, 12) for _ in prompts]
+
+    def run(with_drafts: bool):
+        sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget)
+        runner = FakeRunner(block_size)
+        requests = [make_request(f"r{i}", p, max_tokens=m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        for r in requests:
+            sched.add_request(r)
+        for _ in range(2000):
+            if not sched.has_unfinished():
+                break
+            step(sched, runner)
+            if with_drafts:
+                for r in sched.running:
+                    if r.num_computed_tokens == r.num_tokens - 1:  # decoding
+                        room = min(4, r.max_tokens - r.num_output_tokens - 1)
+                        r.spec_token_ids = drafts_for(r, rng, room) if room > 0 else []
+        assert not sched.has_unfinished()
+        assert sched.kv.num_free_blocks == num_blocks
+        return [r.output_token_ids for r in requests], sched
+
+    plain, _ = run(False)
+    spec, sched = run(True)
+    assert spec == plain
+    assert sched.num_draft_tokens >= sched.num_accepted_tokens
+    assert sum(sched.num_accepted_per_position) == sched.num_accepted_tokens
+
+
+P = torch.tensor([0.05, 0.4, 0.1, 0.25, 0.15, 0.05])
+
+
+@pytest.mark.parametrize("draft", [1, 3, 5])  # a likely, a middling and an unlikely draft
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 4)])
+def test_rejection_sampling_draws_from_the_target_distribution(draft, temperature, top_k):
+    """A row verifying an n-gram draft gives the draft with probability p(draft), else a token
+    from p without it: the token is distributed as p itself (chi-square, 40,000 rows), whatever
+    the draft; p is the distribution after temperature and top-k."""
+    n = 40_000
+    b = sampler_batch(n, temperature=temperature, top_k=top_k)
+    b.drafts = torch.full((n,), draft)
+    ids = torch.tensor([t for t, _ in Sampler(torch.Generator().manual_seed(draft))(P.log().repeat(n, 1), b)])
+    target = torch.softmax(P.log() / temperature, dim=0)
+    if top_k is not None:
+        target[target.argsort()[:len(P) - top_k]] = 0
+        target /= target.sum()
+    counts = torch.bincount(ids, minlength=len(P))
+    assert counts[target == 0].sum() == 0
+    kept = target > 0
+    result = scipy.stats.chisquare(counts[kept].numpy(), (target[kept] * n).numpy())
+    assert result.pvalue > 1e-3, (counts.tolist(), (target * n).tolist())
+    assert (ids == draft).float().mean() == pytest.approx(target[draft].item(), abs=0.01)
+
+
+def test_rows_without_drafts_and_seeded_rows_are_unchanged():
+    """-1 rows sample as without drafts; a seeded row's token depends on its seed only."""
+    b = sampler_batch(4, seeds=[(0, 11), (2, 12)])
+    plain = Sampler(torch.Generator().manual_seed(0))(P.log().repeat(4, 1), b)
+    b.drafts = torch.tensor([-1, 1, -1, 3])
+    b.draft_seeds = [(3, 99)]
+    with_drafts = Sampler(torch.Generator().manual_seed(0))(P.log().repeat(4, 1), b)
+    assert with_drafts[0] == plain[0] and with_drafts[2] == plain[2]
