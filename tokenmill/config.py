@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill")
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "default_model"
+DEFAULT_DRAFT_MODEL_DIR = Path(__file__).parent / "data" / "default_draft_model"  # the built-in model's draft
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -45,26 +46,37 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's `speculative_config` keys). `ngram`: prompt lookup, the
-    drafts are the tokens that followed the latest earlier occurrence of the request's last
-    n tokens (n from prompt_lookup_max down to prompt_lookup_min)."""
+    """Speculative decoding (vLLM's `speculative_config` keys).
+    - `ngram`: prompt lookup, the drafts are the tokens that followed the latest earlier
+      occurrence of the request's last n tokens (n from prompt_lookup_max down to
+      prompt_lookup_min);
+    - `draft_model`: a smaller model with the target's tokenizer (`model`; for the built-in
+      model, its built-in draft by default) drafts greedily (executor/spec/draft.py)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    model: str | None = None  # draft_model: a checkpoint directory or hub id; None: the built-in draft
+    # beyond vLLM: each step chooses each request's drafts (0 to num_speculative_tokens) from
+    # their measured acceptance and the step's cost (executor/spec/adaptive.py)
+    adaptive: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
-        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        known = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive")
         unknown = sorted(set(d) - set(known))
         if unknown:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (supported: {', '.join(known)})")
-        method = d.get("method")
-        if method == "draft_model":
-            raise ValueError("speculative_config.method: 'draft_model' is not built yet (supported: ngram)")
-        if method != "ngram":
-            raise ValueError(f"speculative_config.method must be one of ngram; got {method!r}")
+        model = d.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config.model must be a checkpoint directory or hub id, got {model!r}")
+        # as vLLM: a draft model given without a method is a draft_model
+        method = d.get("method", "draft_model" if model is not None else None)
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be one of ngram, draft_model; got {method!r}")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config.model: a draft model is for method 'draft_model', not 'ngram'")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
@@ -77,7 +89,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return cls(method, k, lo, hi)
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
+        return cls(method, k, lo, hi, model, adaptive)
 
 
 @dataclass(slots=True)

@@ -226,3 +226,52 @@ def test_speculative_greedy_matches_transformers(engine_args, checkpoints, hf_re
         assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.kv_cache.check_integrity()
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(checkpoints, tmp_path_factory):
+    """The tied-embedding Llama with noise (a tenth of each matrix's std) on its layers'
+    weights: about half its drafts are the target's tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    draft = tmp_path_factory.mktemp("draft") / "noisy"
+    shutil.copytree(checkpoints("llama_tied_llama3rope"), draft)
+    [weights] = draft.glob("*.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    tensors = {name: w + 0.1 * w.std() * torch.randn(w.shape, generator=gen) if "layers" in name and w.dim() == 2
+               else w for name, w in load_file(weights).items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return draft
+
+
+@pytest.mark.parametrize("draft", ["self", "noisy"])
+@pytest.mark.parametrize("engine_args", [
+    dict(),
+    dict(max_num_batched_tokens=7),  # drafts cut by the token budget, prompts chunked
+    dict(block_size=4, kv_cache_memory=160 * 512),  # preemption
+], ids=["plain", "chunked-7", "preemption"])
+def test_draft_model_greedy_matches_transformers(draft, engine_args, checkpoints, hf_reference, noisy_draft):
+    """A draft model's drafts, verified: HF's tokens and logprobs. The target as its own draft
+    has all its drafts accepted, which holds only if the draft's own KV cache follows every
+    rollback, preemption and prefix hit; the noisy draft has about half rejected."""
+    name = "llama_tied_llama3rope"
+    target = checkpoints(name)
+    spec = {"method": "draft_model", "model": str(target if draft == "self" else noisy_draft),
+            "num_speculative_tokens": 3, "adaptive": False}
+    llm, ours = generate(target, speculative_config=spec, **engine_args)
+    assert [o.outputs[0].token_ids for o in ours] == [t for t, _ in hf_reference(name)]
+    for out, (hf_tokens, hf_lp) in zip(ours, hf_reference(name)):
+        for step, tok in enumerate(out.outputs[0].token_ids):
+            assert out.outputs[0].logprobs[step][tok] == pytest.approx(hf_lp[step][tok].item(), abs=1e-3)
+    stats = llm.engine.stats()
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    if draft == "self":
+        assert accepted >= 0.97 * drafted > 0
+    else:
+        assert drafted > accepted > 0
+    if "block_size" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.kv_cache.check_integrity()
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks

@@ -19,7 +19,9 @@ SOURCE = (DEFAULT_MODEL_DIR.parent.parent / "engine" / "kv_cache.py").read_text(
 # input-grounded: the model is asked to repeat code it has seen, so the drafts are often right
 COPY = "# a copy of the code above\n" + SOURCE + "\n\n# the same again\n" + SOURCE[:200]
 PROMPTS = [COPY, "def fibonacci(n):", "import os\nimport sys\nimport os\nimport sys\n", COPY[:600]]
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# fixed: every draft found is verified, so the tests exercise verification at every batch size
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}
 
 
 def run(llm: LLM, params: list[SamplingParams]) -> list:
@@ -43,6 +45,11 @@ def engines():
     return LLM(**args), LLM(**args, speculative_config=SPEC)
 
 
+@pytest.fixture(scope="module")
+def adaptive():
+    return LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={**SPEC, "adaptive": True})
+
+
 def completions(outs):
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
@@ -62,6 +69,20 @@ def test_greedy_outputs_equal_decoding_without_drafts(engines):
     accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert accepted > drafts / 2  # the copy is mostly predicted
     assert spec.engine.total_steps - plain.engine.total_steps < 0  # fewer steps for the same tokens
+
+
+def test_adaptive_speculation_keeps_the_output_and_counts_its_choices(engines, adaptive):
+    """Adaptive speculation verifies 0..k drafts per request and step (measured step cost,
+    acceptance so far): greedy outputs stay those of decoding without drafts, and the
+    choices are counted by k."""
+    plain, _ = engines
+    params = [SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    assert completions(run(adaptive, params)) == completions(run(plain, params))
+    stats = adaptive.engine.stats()
+    by_k = stats["spec_decode_num_steps_by_k"]
+    assert len(by_k) == SPEC["num_speculative_tokens"] + 1
+    assert sum(k * n for k, n in enumerate(by_k)) == stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_mixed_batch_each_request_gets_what_it_would_alone(engines):
@@ -97,11 +118,40 @@ def test_stop_strings_eos_and_max_tokens_count_tokens_one_by_one(engines):
     assert len(b[2].outputs[0].token_ids) == 5
 
 
-def test_sampled_tokens_keep_the_distribution_of_decoding_without_drafts(engines):
+@pytest.fixture(scope="module")
+def draft():
+    """The built-in model with its built-in draft (the default draft for it)."""
+    return LLM(dtype="float32", kv_cache_memory="16MiB",
+               speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False})
+
+
+def test_draft_model_outputs_equal_decoding_without_drafts(engines, draft):
+    """The built-in draft's drafts: greedy requests get the tokens and logprobs of decoding
+    without drafts, beside a penalised one (served without them) and a sampled one; the
+    cache's integrity holds after every step; a repeated prompt hits the prefix cache."""
+    plain, _ = engines
+    params = [SamplingParams(max_tokens=96, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=48, temperature=0, frequency_penalty=0.5, ignore_eos=True),
+              SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, stop=["\n\n"])]
+    for _ in range(2):  # the second time, the prompts' blocks are cached
+        a, b = run(plain, params), run(draft, params)
+        assert [completions([o])[0] for i, o in enumerate(b) if i != 1] == \
+            [completions([o])[0] for i, o in enumerate(a) if i != 1]
+        for lx, ly in zip(a[0].outputs[0].logprobs, b[0].outputs[0].logprobs):
+            assert list(ly.values()) == pytest.approx(list(lx.values()), abs=1e-4)
+    assert draft.engine.kv_cache.prefix_hits > 0
+    stats = draft.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_unspeculated_steps"] >= 2 * 47
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft_model"])
+def test_sampled_tokens_keep_the_distribution_of_decoding_without_drafts(engines, draft, which):
     """Rejection sampling keeps the target's distribution: the 2nd and 3rd tokens of 400
     seeded requests with drafts have the histogram of 400 without them (two-sample
     chi-square), and the same seed gives the same tokens twice."""
-    plain, spec = engines
+    plain, spec = engines[0], engines[1] if which == "ngram" else draft
     prompt = "import os\nimport sys\nimport re\nimport os\nimport sys\nimport re\nimport"
     params = [SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True) for s in range(400)]
     before = spec.engine.stats()

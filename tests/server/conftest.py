@@ -62,7 +62,9 @@ class RunningServer:
 
 
 def start_server(api_key: str | None = None, max_waiting_requests: int = 1024, **engine_args) -> RunningServer:
-    engine_args = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_num_seqs": 64, **engine_args}
+    # float32: a CPU with bfloat16 would pick it, and tests compare with float32 references
+    engine_args = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_num_seqs": 64, "dtype": "float32",
+                   **engine_args}
     metrics = ServerMetrics(MODEL_NAME)
     engine = AsyncEngine(EngineConfig(**engine_args), max_waiting_requests=max_waiting_requests, observer=metrics)
     app = build_app(engine, [MODEL_NAME], metrics, api_key=api_key)

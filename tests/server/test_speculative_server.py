@@ -1,6 +1,6 @@
 """`tokenmill serve --speculative-config`: the official openai client gets the tokens of
 decoding without drafts, streamed or not, and /metrics counts drafts and accepted ones
-under vLLM's names."""
+under vLLM's names, and the drafts adaptive speculation chose."""
 
 from __future__ import annotations
 
@@ -38,3 +38,5 @@ def test_completions_equal_decoding_without_drafts(spec_server):
     assert sum(v for k, v in m.items() if k.startswith("tokenmill:spec_decode_num_accepted_tokens_per_pos_total")) \
         == accepted
     assert m["tokenmill:generation_tokens_total"] == 96
+    by_k = {k: v for k, v in m.items() if k.startswith("tokenmill:spec_decode_num_steps_by_k_total")}
+    assert by_k and sum(by_k.values()) > 0  # adaptive speculation's choices, k = 0..4

@@ -48,7 +48,9 @@ def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, kernels, outlier)
     exact = exact_w8a8(x, w, method.qmax) + bias
     ref = F.linear(x, w, bias)
     # 7-bit activations without VNNI: fbgemm's int16 pair sums never saturate, so it is exact
-    assert (y - exact).norm() / exact.norm() < 1e-5
+    # but for an activation a float ulp from half a step, which may round the other way (one
+    # such is 3e-5 at 64 x 1408; the scheme's own error is 1000 times that)
+    assert (y - exact).norm() / exact.norm() < 1e-4
     # the scheme's own error: an outlier channel coarsens the step of the whole row
     assert (y - ref).norm() / ref.norm() < (0.03 if outlier == 1 else 0.08)
 

@@ -16,13 +16,17 @@ from tests.unit.test_sampler import batch as sampler_batch
 from tests.unit.test_scheduler import FakeRunner, make_request, make_scheduler, next_token, step
 from tokenmill.config import EngineConfig
 from tokenmill.executor.sampler import Sampler
-from tokenmill.executor.spec.ngram import can_speculate, propose
+from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts
+from tokenmill.executor.spec.ngram import TokenArrays, propose, propose_batch
+from tokenmill.executor.spec.proposer import can_speculate
 from tokenmill.executor.spec.rejection import accepted_prefix
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method must be one of ngram"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not built yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method must be one of ngram, draft_model"),
+    ({"num_speculative_tokens": 2}, "speculative_config.method must be one of"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "a draft model is for method 'draft_model'"),
+    ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, "speculative_config.model must be"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 16]"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be an integer in [1, 16]"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer in [1, 16], got None"),
@@ -30,6 +34,7 @@ from tokenmill.executor.spec.rejection import accepted_prefix
      "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_min must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive must be true or false"),
 ])
 def test_bad_speculative_config_names_the_key(spec, message):
     with pytest.raises(ValueError) as e:
@@ -55,6 +60,40 @@ def test_ngram_takes_the_latest_of_the_longest_matches():
     assert propose(np.array([8, 8, 8, 8]), 1, 3, 5) == [8]  # only what follows the match exists
     assert propose(np.array([1, 2, 3]), 1, 3, 2) == []
     assert propose(t, 1, 3, 0) == []
+
+
+def lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, one n at a time: for the longest n in [min_n, max_n] whose last n
+    tokens occurred earlier, the up to k tokens after their latest earlier occurrence."""
+    for n in range(max_n, min_n - 1, -1):
+        if k <= 0 or len(tokens) < n + 1:
+            continue
+        tail = tokens[-n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tail]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+def test_batched_lookup_equals_the_definition_for_every_row():
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, vocab, size=length).tolist()
+            for vocab, length in [(3, 40), (5, 2), (4, 1), (2, 300), (50, 60), (6, 7), (3, 3)] * 4]
+    for min_n, max_n in [(1, 1), (1, 3), (2, 4), (3, 5)]:
+        ks = [int(k) for k in rng.integers(0, 6, size=len(seqs))]
+        got = propose_batch([np.array(t) for t in seqs], min_n, max_n, ks)
+        assert got == [lookup(t, min_n, max_n, k) for t, k in zip(seqs, ks)], (min_n, max_n)
+
+
+def test_token_arrays_grow_with_the_request():
+    request = make_request("r", [5, 6, 7])
+    arrays = TokenArrays()
+    assert arrays.get(request).tolist() == request.all_token_ids
+    for t in range(200):
+        request.all_token_ids.extend([t] * (t % 3))
+        assert arrays.get(request).tolist() == request.all_token_ids
+    arrays.release("r")
+    assert not arrays.arrays
 
 
 def test_acceptance_stops_at_the_first_difference():
@@ -157,3 +196,42 @@ def test_rows_without_drafts_and_seeded_rows_are_unchanged():
     b.draft_seeds = [(3, 99)]
     with_drafts = Sampler(torch.Generator().manual_seed(0))(P.log().repeat(4, 1), b)
     assert with_drafts[0] == plain[0] and with_drafts[2] == plain[2]
+
+
+def test_step_cost_interpolates_and_never_falls():
+    cost = StepCost([1, 2, 4, 8], [1.0, 1.0, 0.9, 2.0])  # the 0.9 is timing noise
+    assert cost(1) == 1.0 and cost(3) == 1.0 and cost(6) == pytest.approx(1.5)
+    assert cost(16) == pytest.approx(2.0 + 8 * 0.25)  # past the last point, its last slope
+    for _ in range(200):  # decode steps that took 1.5 s at 4 tokens: 0.5 s beyond the forward
+        cost.observe(4, 1.5)
+    assert cost.overhead == pytest.approx(0.5) and cost(4) == pytest.approx(1.5)
+
+
+def test_step_overhead_makes_drafts_worth_more():
+    """A step's fixed cost beyond its forward is paid by its tokens, drafts included: the
+    same forward keeps more drafts when the step costs more than the forward."""
+    forward = StepCost([1, 64, 1024], [0.001, 0.004, 0.06])
+    without = sum(choose_num_drafts([0.7] * 64, [4] * 64, 64, forward))
+    forward.overhead = 0.01
+    assert sum(choose_num_drafts([0.7] * 64, [4] * 64, 64, forward)) > without
+
+
+def test_drafts_are_chosen_while_they_pay_for_their_time():
+    flat = StepCost([1, 1024], [0.010, 0.0101])  # a step costs about the same whatever its tokens
+    steep = StepCost([1, 1024], [0.001, 1.024])  # every token costs as much as the step's base
+    assert choose_num_drafts([0.8] * 4, [4] * 4, 4, flat) == [4] * 4
+    assert choose_num_drafts([0.0, 0.8], [4, 4], 2, flat) == [0, 4]  # never-accepted drafts are not worth it
+    assert choose_num_drafts([0.8] * 4, [4] * 4, 4, steep) == [0] * 4  # a draft is worth < 1 token
+    assert choose_num_drafts([0.9, 0.9], [2, 0], 2, flat) == [2, 0]  # up to the drafts a request has
+    # overhead-bound up to 64 tokens, then GEMM-bound: drafts in a small batch, none in a full one
+    mid = StepCost([1, 64, 1024], [0.010, 0.012, 0.2])
+    assert choose_num_drafts([0.9, 0.5], [4, 4], 2, mid) == [4, 4]
+    assert sum(choose_num_drafts([0.9] * 200 + [0.5] * 200, [4] * 400, 400, mid)) == 0
+    # near the bend, the likelier requests keep their drafts and the others lose them
+    bend = choose_num_drafts([0.95] * 8 + [0.3] * 8, [4] * 16, 48, mid)
+    assert min(bend[:8]) > max(bend[8:])
+
+
+def test_acceptance_estimate_starts_at_the_prior():
+    assert acceptance(0, 0, prior=0.7) == pytest.approx(0.7)
+    assert acceptance(30, 10, prior=0.7) == pytest.approx(31.4 / 42)

@@ -23,6 +23,7 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.loader import choose_device, choose_dtype, resolve_model_path
 from tokenmill.executor.model_runner import ModelRunner
 from tokenmill.executor.spec.ngram import NgramProposer
+from tokenmill.executor.spec.proposer import Proposer
 from tokenmill.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -68,8 +69,9 @@ class Engine:
                                                                   else set())))
         self._tracked: dict[str, Tracked] = {}
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids) if self.tokenizer else None
-        self.proposer = NgramProposer(config.speculative_config, self.max_model_len) \
-            if config.speculative_config is not None else None
+        spec = config.speculative_config
+        self.proposer: Proposer | None = self.runner.drafter if spec is not None and spec.method == "draft_model" \
+            else NgramProposer(spec, self.max_model_len, self.runner.step_cost) if spec is not None else None
         self._ids = itertools.count()
         self.total_steps = 0
         logger.info("model %s (%s, %s on %s, attention %s, quantization %s) loaded in %.2fs; KV cache: %d blocks "
@@ -211,6 +213,7 @@ class Engine:
         """Runs one scheduling step; returns outputs for the sequences that got new tokens or
         finished, one per sequence (for a final_only request: one for all of them, when the
         last finishes). A request's last output of the step says whether it has finished."""
+        start = time.perf_counter()
         compiled = []  # requests whose grammar is done go to the scheduler; one that failed to compile ends
         waiting = self.grammars is not None and bool(self.grammars.pending)
         if waiting:
@@ -233,12 +236,13 @@ class Engine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED
                                               if verdict == "stop" else RequestStatus.FINISHED_ERROR)
         if self.proposer is not None:  # the drafts that the next step verifies
-            self.proposer.propose(changed)
+            s = self.scheduler
+            self.proposer.propose(changed, s.num_running, s.num_accepted_tokens, s.num_spec_rejected_steps)
         self.total_steps += 1
         groups: dict[str, tuple[Tracked, list[Seq]]] = {}
         for request in changed:
             if request.is_finished:  # a sequence's runner state goes when it ends, not with its group
-                self.runner.release(request.request_id)
+                self._release(request.request_id)
             tracked = self._tracked.get(request.group_id)
             if tracked is None:
                 continue
@@ -259,6 +263,9 @@ class Engine:
                 outputs.append(snapshot(tracked, tracked.seqs[:1], "", [], finished=True))
             if tracked.finished:
                 self._forget(tracked)
+        cost = self.proposer.cost if self.proposer is not None else None
+        if cost is not None and sched.is_decode_only:  # what the step costs beyond its forward
+            cost.observe(sched.total_num_scheduled_tokens, time.perf_counter() - start)
         return outputs
 
     def _outputs(self, tracked: Tracked, seqs: list[Seq]) -> list[RequestOutput]:
@@ -287,10 +294,15 @@ class Engine:
     def _forget(self, tracked: Tracked) -> None:
         """A finished request: the engine and the runner drop what they kept for it."""
         for seq in tracked.seqs:
-            self.runner.release(seq.request.request_id)
+            self._release(seq.request.request_id)
         self._tracked.pop(tracked.request.request_id, None)
         if self.grammars is not None:
             self.grammars.pending.pop(tracked.request.request_id, None)
+
+    def _release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def _detokenize(self, seq: Seq) -> None:
         """Feeds the new output tokens to the detokenizer; a stop string ends the sequence."""
@@ -342,4 +354,5 @@ class Engine:
             "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
             "spec_decode_num_unspeculated_steps": self.proposer.num_unspeculated_steps if self.proposer else 0,
             "spec_decode_num_accepted_tokens_per_pos": list(self.scheduler.num_accepted_per_position),
+            "spec_decode_num_steps_by_k": list(self.proposer.num_steps_by_k) if self.proposer else [],
         }

@@ -48,7 +48,8 @@ class Request:
                  "status", "stop_reason", "error", "logprobs", "max_tokens", "eos_token_ids",
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "last_token_time", "bad_words_token_ids", "prompt_logprobs", "parent", "index",
-                 "num_forks", "cumulative_logprob", "grammar", "spec_token_ids")
+                 "num_forks", "cumulative_logprob", "grammar", "spec_token_ids", "spec_accepted",
+                 "spec_rejected")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
@@ -87,6 +88,10 @@ class Request:
         self.grammar = None
         # speculative decoding: draft tokens to verify in the next step (not part of all_token_ids)
         self.spec_token_ids: list[int] = []
+        # adaptive speculation's evidence: drafts accepted, verification steps that rejected
+        # one (float: they fade while the request drafts nothing, executor/spec/proposer.py)
+        self.spec_accepted = 0.0
+        self.spec_rejected = 0.0
 
     def fork(self, index: int) -> Request:
         """Sequence `index` of this request's group, at the end of its prefill: the same prompt

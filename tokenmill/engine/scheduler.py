@@ -51,6 +51,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.requests
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request computes one known token and its drafts: no prompt chunks."""
+        return all(n == 1 + len(s) for n, s in zip(self.num_scheduled_tokens, self.spec_token_ids))
+
     # whether request i reaches its last known token this step, so samples a new one
     sampling: list[bool] = field(default_factory=list)
 
@@ -96,6 +101,7 @@ class Scheduler:
         self.num_accepted_tokens = 0
         self.num_accepted_per_position: list[int] = []
         self.num_spec_steps = 0  # request-steps that verified drafts
+        self.num_spec_rejected_steps = 0  # of which rejected a draft
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -232,7 +238,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             if request.spec_token_ids:
-                self._count_accepted(len(request.spec_token_ids), len(tokens) - 1)
+                self._count_accepted(request, len(request.spec_token_ids), len(tokens) - 1)
                 request.spec_token_ids = []
             for token_id, logprobs in tokens:  # one by one: a stop ends the request where it is
                 request.all_token_ids.append(token_id)
@@ -255,7 +261,11 @@ class Scheduler:
             changed.append(request)
         return changed
 
-    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+    def _count_accepted(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        rejected = num_accepted < num_drafts
+        request.spec_accepted += num_accepted
+        request.spec_rejected += rejected
+        self.num_spec_rejected_steps += rejected
         self.num_spec_steps += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted

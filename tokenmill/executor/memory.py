@@ -31,7 +31,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 def num_kv_blocks(runner: ModelRunner, max_num_batched_tokens: int) -> int:
     config = runner.config
-    per_block = runner.model_config.kv_bytes_per_token(runner.kv_cache_dtype) * runner.block_size
+    per_token = runner.model_config.kv_bytes_per_token(runner.kv_cache_dtype) + runner.draft_kv_bytes_per_token
+    per_block = per_token * runner.block_size
     if runner.device.type == "cuda":
         if config.num_gpu_blocks_override is not None:
             return config.num_gpu_blocks_override

@@ -22,7 +22,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import Request, TokenLogprobs
 from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
-from tokenmill.executor.attention.kv_cache import KVCache, cache_dtype
+from tokenmill.executor.attention.kv_cache import CacheOwner, cache_dtype
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.cuda_graphs import CudaGraphRunner
 from tokenmill.executor.layers.quantization import resolve_quantization
@@ -30,6 +30,8 @@ from tokenmill.executor.loader import load_model
 from tokenmill.executor.memory import num_kv_blocks
 from tokenmill.executor.penalties import PenaltyState
 from tokenmill.executor.sampler import Sampler, SamplingBatch
+from tokenmill.executor.spec.adaptive import StepCost, measure_step_cost
+from tokenmill.executor.spec.draft import DraftModel, resolve_draft
 from tokenmill.executor.spec.rejection import accepted_prefix
 from tokenmill.executor.staging import Staging
 
@@ -38,7 +40,7 @@ logger = logging.getLogger("tokenmill")
 PROMPT_LOGPROB_ROWS = 512  # prompt positions whose full-vocabulary logits exist at once
 
 
-class ModelRunner:
+class ModelRunner(CacheOwner):
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, max_num_batched_tokens: int) -> None:
         self.config = config
@@ -63,21 +65,23 @@ class ModelRunner:
         self.staging = Staging(device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed), device, kernels)
         self.penalties = PenaltyState(model_config.vocab_size, device, self.staging.to_device)
+        spec = config.speculative_config
+        # a draft model's KV cache shares the blocks, so each block costs its bytes too
+        draft = resolve_draft(spec, model_path, model_config) if spec and spec.method == "draft_model" else None
+        self.draft_kv_bytes_per_token = draft[1].kv_bytes_per_token(self.kv_cache_dtype) if draft else 0
         self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
         self.attn = self.make_backend(self.kv_cache)
+        self.step_cost: StepCost | None = None
+        if spec is not None and spec.adaptive:  # what a step costs by its tokens, for choosing drafts
+            self.step_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024))
+            logger.info("adaptive speculation: step time by tokens %s", self.step_cost)
+        self.drafter = DraftModel(self, spec, *draft, self.num_blocks, max_num_batched_tokens, kernels) \
+            if draft else None
         self.graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and not config.enforce_eager:
             self.graphs = CudaGraphRunner(self, max_batch_size=config.max_num_seqs)
             self.graphs.capture()
-
-    def allocate_kv_cache(self, num_blocks: int) -> KVCache:
-        mc = self.model_config
-        return KVCache.allocate(mc.num_layers, num_blocks * self.block_size, mc.num_kv_heads, mc.head_dim,
-                                self.kv_cache_dtype, self.device)
-
-    def make_backend(self, kv_cache: KVCache):
-        return self.backend_cls(kv_cache, self.block_size, self.model_config.num_heads, self.staging.to_device)
 
     def release(self, request_id: str) -> None:
         """A request finished or was aborted: what the runner kept for it goes."""
@@ -131,6 +135,8 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(out, hidden, query_lens)
         if not sampling:
             self.staging.end()
+            if self.drafter is not None:  # it keeps up with the prompt chunks
+                self.drafter.run(out, [])
             return ModelRunnerOutput([], prompt_logprobs)
         if out.forked or len(logits_rows) != len(hidden):
             hidden = hidden[self.staging.to_device(np.array(logits_rows, dtype=np.int64))]
@@ -147,9 +153,12 @@ class ModelRunner:
             batch.grammar = (self.staging.to_device(first_row[rows].astype(np.int64)), self.staging.to_device(bits))
         self.staging.end()
         tokens = self.sampler(self.model.compute_logits(hidden), batch)
-        if not spec:
-            return ModelRunnerOutput([[t] for t in tokens], prompt_logprobs)
-        sampled = [accepted_prefix(d, tokens[first_row[j]:first_row[j + 1]]) for j, d in enumerate(drafts)]
+        if spec:
+            sampled = [accepted_prefix(d, tokens[first_row[j]:first_row[j + 1]]) for j, d in enumerate(drafts)]
+        else:
+            sampled = [[t] for t in tokens]
+        if self.drafter is not None:  # the drafts the next step verifies
+            self.drafter.run(out, sampled)
         return ModelRunnerOutput(sampled, prompt_logprobs)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

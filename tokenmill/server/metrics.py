@@ -56,6 +56,8 @@ class ServerMetrics:
                                                    "request's features (sampling, penalties, ...)"))}
         self._spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
                                      "position among the drafts", ("position",))
+        self._spec_by_k = counter("spec_decode_num_steps_by_k", "Request steps of speculating requests, by the "
+                                  "number of drafts chosen for them (adaptive speculation)", ("k",))
         self._seen_spec: dict[str, int] = {}
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token")
         self.tpot = histogram("time_per_output_token_seconds", "Per request: (last token - first token) / "
@@ -118,12 +120,19 @@ class ServerMetrics:
             self._observe_spec(stats)
 
     def _observe_spec(self, stats: dict) -> None:
-        totals = {name: int(stats[name]) for name in self._spec}
-        totals.update({f"pos{j}": n for j, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])})
+        totals: dict[str | tuple[str, str], int] = {name: int(stats[name]) for name in self._spec}
+        totals.update({("position", str(j)): n
+                       for j, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])})
+        totals.update({("k", str(k)): n for k, n in enumerate(stats["spec_decode_num_steps_by_k"])})
         for name, total in totals.items():
             new = total - self._seen_spec.get(name, 0)
             if new:
-                counter = self._spec.get(name) or self._spec_per_pos.labels(**self._labels, position=name[3:])
+                if isinstance(name, str):
+                    counter = self._spec[name]
+                elif name[0] == "position":
+                    counter = self._spec_per_pos.labels(**self._labels, position=name[1])
+                else:
+                    counter = self._spec_by_k.labels(**self._labels, k=name[1])
                 counter.inc(new)
                 self._seen_spec[name] = total
 

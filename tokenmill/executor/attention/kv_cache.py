@@ -103,3 +103,17 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q [..., kv_heads, d] 8-bit and s [..., kv_heads] -> the values in `dtype`."""
     return (q.float() * s.unsqueeze(-1)).to(dtype)
+
+
+class CacheOwner:
+    """A model with its own paged KV cache (the model runner, a draft model): builds caches
+    and attention backends from its model_config, block_size, kv_cache_dtype, device,
+    backend_cls and staging."""
+
+    def allocate_kv_cache(self, num_blocks: int) -> KVCache:
+        mc = self.model_config
+        return KVCache.allocate(mc.num_layers, num_blocks * self.block_size, mc.num_kv_heads, mc.head_dim,
+                                self.kv_cache_dtype, self.device)
+
+    def make_backend(self, kv_cache: KVCache):
+        return self.backend_cls(kv_cache, self.block_size, self.model_config.num_heads, self.staging.to_device)

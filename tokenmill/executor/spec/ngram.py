@@ -12,66 +12,110 @@ import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
+from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts
+from tokenmill.executor.spec.proposer import Proposer, can_speculate
 
 
 def propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k draft tokens for the sequence `tokens` (prompt and output, int64), or [] when
     none of its last n-grams occurred before."""
-    length = len(tokens)
-    if k <= 0 or length < min_n + 1:
-        return []
-    # candidate ends: earlier positions holding the last token (the last one itself excluded)
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-    if len(ends) == 0:
-        return []
-    # how far each candidate's match reaches back, up to max_n tokens
-    matched = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for j in range(1, min(max_n, length - 1)):
-        ok = ends >= j
-        ok[ok] = tokens[ends[ok] - j] == tokens[length - 1 - j]
-        alive &= ok
+    return propose_batch([tokens], min_n, max_n, [k])[0]
+
+
+def propose_batch(sequences: list[np.ndarray], min_n: int, max_n: int, ks: list[int]) -> list[list[int]]:
+    """`propose` for a batch of sequences at once: they are laid out as the rows of one
+    matrix (padded with -1, which no token equals), and every earlier position of every row
+    is matched against its row's last max_n tokens in a few array operations."""
+    lengths = np.array([len(t) for t in sequences], dtype=np.int64)
+    width = int(lengths.max())
+    rows = np.full((len(sequences), width), -1, dtype=np.int64)
+    for row, t in zip(rows, sequences):
+        row[:len(t)] = t
+    idx = np.arange(len(sequences))
+    # matched[b, e]: how many tokens ending at e equal row b's last tokens (e itself against
+    # the last one, e - 1 against the one before, ...), up to max_n
+    matched = np.zeros(rows.shape, dtype=np.int64)
+    alive = np.ones(rows.shape, dtype=bool)
+    for j in range(max_n):
+        back = lengths - 1 - j  # the position of row b's j-th token from its end
+        wanted = np.where(back >= 0, rows[idx, np.maximum(back, 0)], -2)  # -2: the row is too short
+        shifted = np.full(rows.shape, -1, dtype=np.int64)
+        shifted[:, j:] = rows[:, :width - j]  # shifted[b, e] = rows[b, e - j]
+        alive &= shifted == wanted[:, None]
         if not alive.any():
             break
         matched += alive
-    best = matched.max()
-    if best < min_n:
-        return []
-    end = ends[np.flatnonzero(matched == best)[-1]]  # the latest of the longest matches
-    return tokens[end + 1:end + 1 + k].tolist()
+    matched[np.arange(width)[None, :] >= lengths[:, None] - 1] = 0  # the last token is no earlier occurrence
+    # the longest match, the latest of those
+    end = np.argmax(matched * width + np.arange(width)[None, :], axis=1)
+    best = matched[idx, end]
+    drafts = []
+    for b, k in enumerate(ks):
+        ok = k > 0 and best[b] >= max(min_n, 1) and lengths[b] >= min_n + 1
+        drafts.append(rows[b, end[b] + 1:min(end[b] + 1 + k, lengths[b])].tolist() if ok else [])
+    return drafts
 
 
-def can_speculate(request: Request) -> str | None:
-    """None when the request's drafts can be verified exactly here; else what rules it out
-    (the request is then served without speculation)."""
-    sp = request.sampling_params
-    if sp.has_penalties or request.bad_words_token_ids or request.num_output_tokens < sp.min_tokens:
-        return "penalties"  # each position's logits would depend on the drafts before it
-    if request.grammar is not None:
-        return "structured_outputs"
-    if request.ranked_by_logprob or request.num_forks:
-        return "best_of"
-    return None
+class TokenArrays:
+    """Each request's tokens as a growing int64 array, extended by the tokens it got since the
+    last step (not rebuilt from its list every step). A request's tokens only grow while it
+runs: those a stop string takes back end it."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, tuple[np.ndarray, int]] = {}
+
+    def get(self, request: Request) -> np.ndarray:
+        array, n = self.arrays.get(request.request_id, (np.empty(0, dtype=np.int64), 0))
+        tokens = request.all_token_ids
+        if len(tokens) > len(array):
+            grown = np.empty(max(2 * len(array), len(tokens) + 64), dtype=np.int64)
+            grown[:n] = array[:n]
+            array = grown
+        array[n:len(tokens)] = tokens[n:]
+        self.arrays[request.request_id] = (array, len(tokens))
+        return array[:len(tokens)]
+
+    def release(self, request_id: str) -> None:
+        self.arrays.pop(request_id, None)
 
 
-class NgramProposer:
-    """Drafts for the requests that got tokens this step, from their own tokens."""
+class NgramProposer(Proposer):
+    """Drafts for the requests that got tokens this step, from their own tokens; with
+    `cost` (adaptive speculation), as many of them as pay for their time."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        self.config = config
-        self.max_model_len = max_model_len
-        self.num_unspeculated_steps = 0  # request-steps served without speculation by their features
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, cost: StepCost | None = None) -> None:
+        super().__init__(config, max_model_len, cost)
+        self.tokens = TokenArrays()
 
-    def propose(self, requests: list[Request]) -> None:
+    def release(self, request_id: str) -> None:
+        self.tokens.release(request_id)
+
+    def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int) -> None:
+        """`num_running`: the requests the next step will run (a token each at least);
+        `accepted` / `rejected`: the drafts accepted and the verification steps that
+        rejected one, over all requests so far (the prior for a request's own rate)."""
         cfg = self.config
+        drafting, ks = [], []
         for request in requests:
             if request.is_finished:
+                self.tokens.release(request.request_id)
                 continue
             if can_speculate(request) is not None:
                 self.num_unspeculated_steps += 1
                 continue
-            # room for the drafts and the token after them within max_tokens and max_model_len
-            k = min(cfg.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1,
-                    self.max_model_len - request.num_tokens - 1)
-            request.spec_token_ids = propose(np.asarray(request.all_token_ids), cfg.prompt_lookup_min,
-                                             cfg.prompt_lookup_max, k)
+            ks.append(self.room(request))
+            drafting.append(request)
+        if not drafting:
+            return
+        drafts = propose_batch([self.tokens.get(r) for r in drafting], cfg.prompt_lookup_min,
+                               cfg.prompt_lookup_max, ks)
+        if self.cost is not None:
+            prior = acceptance(accepted, rejected, prior=0.5)
+            rates = [acceptance(r.spec_accepted, r.spec_rejected, prior) for r in drafting]
+            chosen = choose_num_drafts(rates, [len(d) for d in drafts], num_running, self.cost,
+                                       contexts=[r.num_tokens for r in drafting])
+            drafts = [d[:k] for d, k in zip(drafts, chosen)]
+        for request, d in zip(drafting, drafts):
+            request.spec_token_ids = d
+            self.num_steps_by_k[len(d)] += 1
+            self.fade(request, len(d))

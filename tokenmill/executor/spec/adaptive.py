@@ -1,0 +1,139 @@
+"""Adaptive speculation: how many drafts each request verifies next step, 0 included.
+
+Drafts pay when the tokens they are expected to add are worth the time they add to the
+step. Both are estimated:
+- time: the step's cost as a function of the tokens it computes: the forward, measured
+  once at start-up (decode-shaped forwards with logits at 1..budget tokens, interpolated
+  between), plus the rest of the step (scheduling, sampling's host work, outputs), learnt
+  from the engine's decode steps as they run;
+- tokens: a request whose drafts are each accepted with probability a (given the ones
+  before were) gets a + a^2 + ... + a^k extra tokens from k drafts. a is estimated per
+  request from its own verifications, starting from the proposer's overall rate.
+
+Each step ranks every draft of the batch by its expected gain and keeps as many of the
+most likely ones as gives the step the most expected tokens per second. At a small batch a draft
+costs little and most are kept; at a large GEMM-bound batch each draft costs about what
+a token is worth and only likely ones stay; a request whose drafts keep failing gets none.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tokenmill.executor.attention import AttentionMetadata, token_slots
+
+if TYPE_CHECKING:
+    from tokenmill.executor.model_runner import ModelRunner
+
+
+class StepCost:
+    """Seconds of one step by its tokens: the forward (piecewise linear in the tokens) plus
+    `overhead`, the rest of the step, which a draft does not add to."""
+
+    def __init__(self, tokens: list[int], seconds: list[float]) -> None:
+        self.tokens = np.asarray(tokens, dtype=np.float64)
+        # a step never gets cheaper with more tokens (timing noise can say otherwise)
+        self.seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64))
+        self.overhead = 0.0
+        self.attention = 0.0  # seconds a query token adds per token of context it attends to
+
+    def forward(self, num_tokens):
+        """The forward's seconds at `num_tokens` (an int or an array of them); past the last
+        measured point, its last slope."""
+        t, s = self.tokens, self.seconds
+        slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else s[-1] / t[-1]
+        n = np.asarray(num_tokens, dtype=np.float64)
+        return np.where(n <= t[-1], np.interp(n, t, s), s[-1] + slope * (n - t[-1]))
+
+    def __call__(self, num_tokens: int) -> float:
+        return float(self.forward(num_tokens)) + self.overhead
+
+    def observe(self, num_tokens: int, seconds: float, decay: float = 0.9) -> None:
+        """A decode step of `num_tokens` took `seconds` from scheduling to its outputs: what the
+        forward does not explain is overhead (a moving average over steps)."""
+        self.overhead = decay * self.overhead + (1 - decay) * max(0.0, seconds - float(self.forward(num_tokens)))
+
+    def __repr__(self) -> str:
+        return ", ".join(f"{int(n)}: {1e3 * s:.2f} ms" for n, s in zip(self.tokens, self.seconds)) + \
+            f"; attention {1e9 * self.attention:.1f} ns per context token"
+
+
+@torch.inference_mode()
+def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512) -> StepCost:
+    """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
+    n = 1, 2, 4, ... up to max_tokens, over a throwaway cache; the fastest of `repeats`.
+    Then 16 of them again over `context` tokens each: what attention adds per context token."""
+    counts = [1]
+    while counts[-1] * 2 <= max_tokens:
+        counts.append(counts[-1] * 2)
+    bs = runner.block_size
+    context = max(2, min(context, runner.max_model_len - 1))
+    wide = min(16, counts[-1])
+    per_seq = -(-context // bs)
+    backend = runner.make_backend(runner.allocate_kv_cache(max(counts[-1], wide * per_seq)))
+    put = runner.staging.to_device
+
+    def forward(n: int, seq_len: int) -> float:
+        query_lens = np.ones(n, dtype=np.int32)
+        block_table = np.arange(n * per_seq if seq_len > 1 else n, dtype=np.int32).reshape(n, -1)
+        positions, slots = token_slots(query_lens, np.full(n, seq_len - 1, dtype=np.int64), block_table, bs)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            runner.staging.begin()
+            backend.begin_step(AttentionMetadata.from_host(query_lens, np.full(n, seq_len, dtype=np.int32),
+                                                           block_table, put(slots), bs, put))
+            hidden = runner.model(put(np.zeros(n, dtype=np.int64)), put(positions), backend)
+            ids = runner.sampler._argmax(runner.model.compute_logits(hidden))
+            runner.sampler.to_host(ids)[0].tolist()
+            runner.staging.end()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    seconds = [forward(n, 1) for n in counts]
+    cost = StepCost(counts, seconds)
+    cost.attention = max(0.0, (forward(wide, context) - seconds[counts.index(wide)]) / (wide * (context - 1)))
+    return cost
+
+
+def acceptance(accepted: int, rejected: int, prior: float, weight: float = 2.0) -> float:
+    """P(a draft is accepted | the drafts before it were): accepted / (accepted + steps that
+    rejected one), with `weight` pseudo-observations at `prior`."""
+    return (accepted + weight * prior) / (accepted + rejected + weight)
+
+
+def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, cost: StepCost,
+                      draft: StepCost | None = None, contexts: list[int] | None = None) -> list[int]:
+    """How many drafts each request verifies: `rates` are their acceptance probabilities,
+    `limits` the drafts each has, `num_tokens` what the step computes without drafts (one
+    token per request at least). The drafts, most likely first (request i's j-th is worth
+    rates[i] ** j tokens), are kept up to the count that gives the most tokens per second.
+    `draft`: the draft model's forward cost; its j-th forward makes every j-th draft, so
+    the drafts kept add those forwards' time too. `contexts`: each request's tokens, which
+    each of its drafts attends to in the target's forward (and the draft's)."""
+    rates = np.asarray(rates, dtype=np.float64)
+    limits = np.asarray(limits, dtype=np.int64)
+    total = int(limits.sum())
+    if total == 0:
+        return [0] * len(rates)
+    owner = np.repeat(np.arange(len(rates)), limits)
+    depth = np.arange(total) - np.repeat(np.cumsum(limits) - limits, limits) + 1  # j = 1..limit
+    gain = rates[owner] ** depth
+    order = np.argsort(-gain, kind="stable")  # within a request, j before j + 1
+    expected = len(rates) + np.concatenate(([0.0], np.cumsum(gain[order])))
+    seconds = cost.forward(num_tokens + np.arange(total + 1)) + cost.overhead
+    if contexts is not None:
+        per_token = cost.attention + (draft.attention if draft is not None else 0.0)
+        attention = per_token * np.asarray(contexts, dtype=np.float64)[owner[order]]
+        seconds = seconds + np.concatenate(([0.0], np.cumsum(attention)))
+    if draft is not None:  # rows of the draft's j-th forward among the first m drafts kept
+        rows = np.zeros((total + 1, int(limits.max())))
+        rows[np.arange(1, total + 1), depth[order] - 1] = 1
+        rows = np.cumsum(rows, axis=0)
+        seconds = seconds + np.where(rows > 0, draft.forward(rows) + draft.overhead, 0.0).sum(axis=1)
+    keep = int(np.argmax(expected / seconds))
+    return np.bincount(owner[order[:keep]], minlength=len(rates)).tolist()

@@ -1,0 +1,216 @@
+"""Draft-model proposer: a smaller model with the target's tokenizer drafts each request's
+next tokens greedily, inside the runner's step, right after the target verified.
+
+Its paged KV cache is indexed by the target's block ids, so a request's block table
+serves both caches, and the scheduler's allocation, rollback and freeing apply to the
+draft's K/V as to the target's. Past each drafting request's last block, scratch blocks
+(beyond the shared ones) hold the K/V of the drafts themselves, which only this step's
+draft forwards read.
+
+One step, after verification:
+  forward 1: each drafting request's tokens that the draft has not computed yet (usually
+             the accepted drafts and the target's next token; after a prefix-cache hit, a
+             preemption or steps without drafts, more), and the prompt chunks of requests
+             that may speculate later; the next token's logits give draft 1;
+  forward j: each request with more than j - 1 drafts feeds its draft j - 1.
+A request's draft-computed length never passes the target's num_computed_tokens (the
+next token's slot may be freed by the rollback), and a preempted request starts from 0.
+Drafts are the draft model's argmax, a point mass, so the verifier's rejection sampling
+(executor/spec/rejection.py) keeps sampled requests' distribution exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_MODEL_DIR, ModelConfig, SpeculativeConfig
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
+from tokenmill.executor.attention.kv_cache import CacheOwner
+from tokenmill.executor.loader import load_model, resolve_model_path
+from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts, measure_step_cost
+from tokenmill.executor.spec.proposer import Proposer, can_speculate
+
+if TYPE_CHECKING:
+    from tokenmill.executor.model_runner import ModelRunner
+
+logger = logging.getLogger("tokenmill")
+
+
+def resolve_draft(config: SpeculativeConfig, target_path: Path, target: ModelConfig) -> tuple[Path, ModelConfig]:
+    """The draft's checkpoint directory and config, checked against the target's; errors name
+    `speculative_config.model`."""
+    if config.model is None:
+        if Path(target_path).resolve() != DEFAULT_MODEL_DIR.resolve():
+            raise ValueError("speculative_config.model: method 'draft_model' needs a draft model checkpoint (the "
+                             "built-in draft is the default only for the built-in model)")
+        path = DEFAULT_DRAFT_MODEL_DIR
+    try:
+        path = resolve_model_path(str(path) if config.model is None else config.model)
+        draft = ModelConfig.from_dir(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"speculative_config.model: {config.model!r} does not load: {e}") from e
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, the "
+                         f"target's {target.vocab_size}; a draft needs the target's tokenizer")
+    mine, theirs = _vocab(path), _vocab(Path(target_path))
+    if mine is not None and theirs is not None and mine != theirs:
+        raise ValueError(f"speculative_config.model: the draft's tokenizer ({path}) differs from the target's; a "
+                         f"draft needs the target's tokenizer")
+    return path, draft
+
+
+def _vocab(path: Path) -> dict[str, int] | None:
+    """The checkpoint's tokenizer vocabulary, or None without tokenizer files."""
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from tokenmill.engine.detokenizer import load_tokenizer
+    return load_tokenizer(path).get_vocab()
+
+
+class DraftModel(Proposer, CacheOwner):
+    """The draft model, its KV cache and the drafts it made this step (handed to the
+    requests by `propose`, after the scheduler has taken the step's tokens)."""
+
+    def __init__(self, runner: ModelRunner, config: SpeculativeConfig, path: Path, model_config: ModelConfig,
+                 num_blocks: int, max_num_batched_tokens: int, kernels) -> None:
+        super().__init__(config, runner.max_model_len, runner.step_cost)
+        self.block_size = bs = runner.block_size
+        self.device = runner.device
+        self.staging = runner.staging
+        self.sampler = runner.sampler
+        self.model_config = model_config
+        self.kv_cache_dtype = runner.kv_cache_dtype
+        try:
+            self.model = load_model(path, model_config, "auto", runner.dtype, runner.device,
+                                    max_position=max(runner.max_model_len, model_config.max_position_embeddings),
+                                    seed=runner.config.seed, kernels=kernels)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"speculative_config.model: {path} does not load: {e}") from e
+        self.backend_cls = select_attention_backend(runner.config.attention_backend, runner.device, runner.dtype,
+                                                    model_config.head_dim, bs, runner.config.kv_cache_dtype)
+        # scratch blocks for the drafts' own K/V: enough for k + 1 positions past any block
+        self.scratch_per_row = (config.num_speculative_tokens + 1) // bs + 2
+        self.scratch_rows = runner.config.max_num_seqs
+        self.first_scratch = num_blocks
+        self.kv_cache = self.allocate_kv_cache(num_blocks + self.scratch_rows * self.scratch_per_row)
+        self.attn = self.make_backend(self.kv_cache)
+        self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V is in the cache
+        self.drafts: dict[str, list[int]] = {}  # made this step, for the next
+        self.prior = 0.5  # acceptance over all requests so far: the start of each request's own
+        self.draft_cost: StepCost | None = None
+        if self.cost is not None:
+            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024))
+            logger.info("adaptive speculation: draft forward time by tokens %s", self.draft_cost)
+
+    def release(self, request_id: str) -> None:
+        self.computed.pop(request_id, None)
+        self.drafts.pop(request_id, None)
+
+    # -- in the runner's step, after verification ---------------------------------
+    def run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]]) -> None:
+        """Drafts for the step's sampling requests, from the tokens they have once `sampled`
+        (per sampling request, in order: the accepted drafts and the target's next token)."""
+        for request in out.preempted:
+            self.release(request.request_id)
+        bs = self.block_size
+        chunks = []  # (request, first position, tokens): prompt chunks the draft keeps up with
+        drafting = []  # (row, request, first position, tokens, room)
+        j = 0
+        for i, request in enumerate(out.requests):
+            new = None
+            if out.samples(i):
+                new = [t for t, _ in sampled[j]]
+                j += 1
+            if can_speculate(request) is not None:
+                continue
+            start = min(self.computed.get(request.request_id, 0), out.num_computed_tokens[i])
+            if new is None:
+                end = out.num_computed_tokens[i] + out.num_scheduled_tokens[i]
+                if start < end:
+                    chunks.append((i, request, start, request.all_token_ids[start:end]))
+                continue
+            room = self.room(request, len(new))
+            if room > 0:
+                drafting.append((i, request, start, request.all_token_ids[start:] + new, room))
+        if self.cost is not None and drafting:
+            rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for _, r, *_ in drafting]
+            ks = choose_num_drafts(rates, [room for *_, room in drafting], len(out.requests), self.cost,
+                                   self.draft_cost, [start + len(tokens) for _, _, start, tokens, _ in drafting])
+        else:
+            ks = [room for *_, room in drafting]
+        drafting = [(d, k) for d, k in zip(drafting, ks) if k > 0][:self.scratch_rows]
+        if not drafting and not chunks:
+            return
+        # forward 1: the chunks, then the drafting requests (logits at each one's last token)
+        rows = [(i, start, tokens) for i, _, start, tokens in chunks] + \
+               [(i, start, tokens) for (i, _, start, tokens, _), _ in drafting]
+        width = max(len(out.block_tables[i]) for i, _, _ in rows) + self.scratch_per_row
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for row, (i, _, _) in enumerate(rows):
+            blocks = out.block_tables[i]
+            table[row, :len(blocks)] = blocks
+        for n, row in enumerate(range(len(chunks), len(rows))):  # then each drafting row's scratch blocks
+            real = len(out.block_tables[rows[row][0]])
+            first = self.first_scratch + n * self.scratch_per_row
+            table[row, real:real + self.scratch_per_row] = np.arange(first, first + self.scratch_per_row)
+        query_lens = np.array([len(t) for _, _, t in rows], dtype=np.int32)
+        starts = np.array([s for _, s, _ in rows], dtype=np.int64)
+        ids = [t for _, _, tokens in rows for t in tokens]
+        last = np.cumsum(query_lens)[len(chunks):] - 1
+        tokens = self._forward(query_lens, starts, table, ids, last)
+        for _, request, start, chunk in chunks:
+            self.computed[request.request_id] = start + len(chunk)
+        if not drafting:
+            return
+        drafts = [[t] for t in tokens]
+        table = table[len(chunks):]
+        positions = np.array([start + len(toks) for (_, _, start, toks, _), _ in drafting], dtype=np.int64)
+        ks = np.array([k for _, k in drafting])
+        for step in range(1, int(ks.max())):  # forward j + 1: one token each, its latest draft
+            active = np.flatnonzero(ks > step)
+            nxt = self._forward(np.ones(len(active), dtype=np.int32), positions[active] + step - 1, table[active],
+                                [drafts[a][-1] for a in active], np.arange(len(active)))
+            for a, t in zip(active, nxt):
+                drafts[a].append(t)
+        for ((_, request, start, toks, _), _), d in zip(drafting, drafts):
+            # the draft computed every known token; the last one's slot may go with the rollback
+            self.computed[request.request_id] = start + len(toks) - 1
+            self.drafts[request.request_id] = d
+
+    def _forward(self, query_lens: np.ndarray, starts: np.ndarray, table: np.ndarray, ids: list[int],
+                 logits_rows: np.ndarray) -> list[int]:
+        """One draft forward; the argmax at `logits_rows` (may be none)."""
+        positions, slots = token_slots(query_lens, starts, table, self.block_size)
+        put = self.staging.to_device
+        self.staging.begin()
+        self.attn.begin_step(AttentionMetadata.from_host(query_lens, (starts + query_lens).astype(np.int32), table,
+                                                         put(slots), self.block_size, put))
+        hidden = self.model(put(np.array(ids, dtype=np.int64)), put(positions), self.attn)
+        if len(logits_rows) == 0:
+            self.staging.end()
+            return []
+        if len(logits_rows) != len(hidden):
+            hidden = hidden[put(np.asarray(logits_rows, dtype=np.int64))]
+        self.staging.end()
+        return self.sampler.to_host(self.sampler._argmax(self.model.compute_logits(hidden)))[0].tolist()
+
+    # -- after the scheduler took the step's tokens ----------------------------------
+    def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int) -> None:
+        self.prior = acceptance(accepted, rejected, prior=0.5)
+        for request in requests:
+            if request.is_finished:
+                self.release(request.request_id)
+                continue
+            if can_speculate(request) is not None:
+                self.num_unspeculated_steps += 1
+                continue
+            drafts = self.drafts.pop(request.request_id, [])[:max(0, self.room(request))]
+            request.spec_token_ids = drafts
+            self.num_steps_by_k[len(drafts)] += 1
+            self.fade(request, len(drafts))
