@@ -65,16 +65,19 @@ class StepCost:
 @torch.inference_mode()
 def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512) -> StepCost:
     """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
-    n = 1, 2, 4, ... up to max_tokens, over a throwaway cache; the fastest of `repeats`.
-    Then 16 of them again over `context` tokens each: what attention adds per context token."""
-    counts = [1]
-    while counts[-1] * 2 <= max_tokens:
-        counts.append(counts[-1] * 2)
+    n = 1, 2, 4, ... up to max_tokens, the fastest of `repeats`; then 16 of them again over
+    `context` tokens each: what attention adds per context token. They run over the
+    runner's own cache before any request is in it (no second cache: on a GPU the first
+    takes what memory there is), as far as its blocks go."""
     bs = runner.block_size
-    context = max(2, min(context, runner.max_model_len - 1))
+    num_blocks = runner.kv_cache.num_slots // bs
+    counts = [1]
+    while counts[-1] * 2 <= min(max_tokens, num_blocks):
+        counts.append(counts[-1] * 2)
     wide = min(16, counts[-1])
+    context = max(2, min(context, runner.max_model_len - 1, num_blocks // wide * bs))
     per_seq = -(-context // bs)
-    backend = runner.make_backend(runner.allocate_kv_cache(max(counts[-1], wide * per_seq)))
+    backend = runner.make_backend(runner.kv_cache)
     put = runner.staging.to_device
 
     def forward(n: int, seq_len: int) -> float:
