@@ -9,6 +9,8 @@ $(BIN)/tokenmill: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@# torch first, pinned: any other version would pull the multi-GB CUDA build
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	@# the Redis limits store's tests run a real redis-server: Debian's, when we may install it (root or sudo -n)
+	@command -v redis-server >/dev/null || { A="$$([ "$$(id -u)" = 0 ] || echo sudo -n) env DEBIAN_FRONTEND=noninteractive apt-get -y -q"; $$A install redis-server >/dev/null 2>&1 || { $$A update >/dev/null 2>&1 && $$A install redis-server >/dev/null 2>&1; }; } || echo "redis-server not installed: the Redis limits tests will skip"
 	$(BIN)/pip install -q -e ".[test]"
 	@# the CPU kernels are compiled here, once, not on the first request
 	$(BIN)/python -W ignore::RuntimeWarning -m tokenmill.executor.cpu_kernels

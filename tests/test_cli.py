@@ -70,3 +70,29 @@ def test_bench_throughput_writes_json(checkpoints, tmp_path, capsys):
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tenants, message", [
+    ('{"tenants": [{"name": "a", "api_keys": ["k"], "tokens_per_minute": -5}]}', "tenant 'a': tokens_per_minute"),
+    ('{"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]}', "tenant 'b': api_keys"),
+    ('{"tenants": [{"name": "a", "api_keys": ["k"], "burst": 5}]}', "tenant 'a': burst: unknown field"),
+    ('{"tenants": [', "is not valid JSON"),
+])
+def test_serve_refuses_a_bad_tenants_file_before_loading_the_model(tmp_path, tenants, message, capsys):
+    path = tmp_path / "tenants.json"
+    path.write_text(tenants)
+    assert main(["serve", "--tenants", str(path), "--model", "/nonexistent/dir"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: " in err and message in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--api-key", "k", "--tenants", "t.json"], "--api-key and --tenants: give one"),
+    (["--admin-key", "k"], "need --tenants FILE"),
+    (["--api-key", "k", "--limits-store", "http://x"], "--limits-store: expected redis://HOST:PORT"),
+])
+def test_serve_refuses_tenant_flags_that_do_not_go_together(argv, message, capsys, tmp_path):
+    (tmp_path / "t.json").write_text('{"tenants": [{"name": "a", "api_keys": ["k"]}]}')
+    argv = [a.replace("t.json", str(tmp_path / "t.json")) for a in argv]
+    assert main(["serve", *argv, "--model", "/nonexistent/dir"]) == 2
+    assert message in capsys.readouterr().err

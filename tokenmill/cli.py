@@ -40,7 +40,13 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--enable-chunked-prefill": ("enable_chunked_prefill", dict(action=argparse.BooleanOptionalAction,
                                                                 default=True)),
     "--scheduler": ("scheduler", dict(default="continuous", choices=["continuous", "static"])),
-    "--scheduling-policy": ("scheduling_policy", dict(default="fcfs", choices=["fcfs", "priority"])),
+    "--scheduling-policy": ("scheduling_policy", dict(default="fcfs", choices=["fcfs", "priority", "fair"],
+                                                      help="priority: lanes by priority (lower first); fair: lanes, "
+                                                           "then VTC fair shares between tenants (--tenants)")),
+    "--fair-prompt-token-weight": ("fair_prompt_token_weight", dict(
+        type=float, default=1.0, help="fair: what a prompt token adds to its tenant's virtual counter")),
+    "--fair-output-token-weight": ("fair_output_token_weight", dict(
+        type=float, default=2.0, help="fair: what an output token adds to its tenant's virtual counter")),
     "--num-threads": ("num_threads", dict(type=int, default=None, help="torch threads on CPU")),
     "--attention-backend": ("attention_backend", dict(default="auto", choices=["auto", "cpu", "torch", "triton"],
                                                       help="auto: triton on CUDA, the native kernels on the CPU")),
@@ -124,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM")
     srv.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    srv.add_argument("--tenants", default=None, metavar="FILE",
+                     help="tenants, their API keys, limits, quotas, priority and weight (JSON or YAML; README)")
+    srv.add_argument("--admin-key", default=None, help="a key that reads every tenant's GET /v1/usage")
+    srv.add_argument("--limits-db", default=None, metavar="PATH",
+                     help="SQLite file of the tenants' quota usage (default ~/.local/state/tokenmill/limits.db)")
+    srv.add_argument("--limits-store", default=None, metavar="redis://HOST:PORT",
+                     help="share limits and quotas between replicas through Redis (pip install 'tokenmill[redis]')")
+    srv.add_argument("--limits-fail-open", action="store_true",
+                     help="when the limits store is unreachable, admit requests uncounted (default: 503)")
     add_engine_args(srv)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
@@ -169,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--slo", default=None, help="goodput objectives, e.g. ttft_ms=500,tpot_ms=50,e2e_ms=10000")
     sv.add_argument("--output-json", default=None)
     sv.add_argument("--save-detailed", action="store_true", help="add per-request records to the JSON result")
+    sv.add_argument("--tenants", default=None, metavar="FILE",
+                    help="a server's tenants file (JSON or YAML): requests are sent with the first plain API key of "
+                         "each tenant (not --api-key) and reported per tenant, with Jain's fairness index over "
+                         "service (prompt + output tokens) per unit of weight")
+    sv.add_argument("--tenant-mix", default=None, metavar="NAME=SHARE,...",
+                    help="with --tenants: the share of requests each tenant sends, e.g. acme=0.7,batch-jobs=0.3 "
+                         "(normalised; split exactly, order shuffled with --seed; default: every tenant, equal shares)")
     add_vllm_serve_args(sv)
 
     sw = bench_sub.add_parser("sweep", help="bench serve at several load levels: throughput-latency curve "
@@ -233,8 +255,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    tenancy = dict(tenants_file=args.tenants, api_key=args.api_key, admin_key=args.admin_key,
+                   limits_db=args.limits_db, limits_store=args.limits_store, fail_open=args.limits_fail_open)
     return serve(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
-                 served_model_name=args.served_model_name, api_key=args.api_key,
+                 served_model_name=args.served_model_name, tenancy=tenancy,
                  max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                  log_level=args.log_level.lower(), access_log=not args.disable_access_log)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -116,7 +117,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduler: str = "continuous"  # continuous | static
-    scheduling_policy: str = "fcfs"  # fcfs | priority
+    scheduling_policy: str = "fcfs"  # fcfs | priority | fair (priority lanes, then VTC between tenants)
+    # fair: a tenant's service is prompt weight * prompt tokens + output weight * output tokens
+    # (the VTC paper's defaults, 1 and 2: an output token costs a decode step, engine/request_queue.py)
+    fair_prompt_token_weight: float = 1.0
+    fair_output_token_weight: float = 2.0
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | torch | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
@@ -134,7 +139,9 @@ class EngineConfig:
         _one_of("load_format", self.load_format, ("auto", "safetensors", "dummy"))
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         _one_of("scheduler", self.scheduler, ("continuous", "static"))
-        _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "fair"))
+        _positive("fair_prompt_token_weight", self.fair_prompt_token_weight)
+        _positive("fair_output_token_weight", self.fair_output_token_weight)
         _one_of("attention_backend", self.attention_backend, ("auto", "cpu", "torch", "triton"))
         _one_of("quantization", self.quantization, ("auto", "none", "int8", "fp8", "compressed-tensors"))
         _one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"))
@@ -174,6 +181,11 @@ def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

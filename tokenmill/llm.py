@@ -36,9 +36,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 tenant: Sequence[str] | None = None) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in input order.
 
+        `priority` (one per prompt, lower runs first) needs scheduling_policy 'priority' or
+        'fair'; `tenant` (one per prompt) is whom each prompt is for under 'fair', which
+        shares the engine between tenants (weight 1 each here; Engine.make_request takes weights).
         All prompts are validated before any runs: a bad one raises ValueError and
         nothing is queued.
         """
@@ -53,14 +57,17 @@ class LLM:
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts (give one, or one each)")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
-        if priority is not None and self.engine.config.scheduling_policy != "priority":
-            raise ValueError("priority: needs scheduling_policy='priority'")
+        if priority is not None and self.engine.config.scheduling_policy not in ("priority", "fair"):
+            raise ValueError("priority: needs scheduling_policy='priority' or 'fair'")
+        if tenant is not None and (isinstance(tenant, str) or len(tenant) != len(prompts)):
+            raise ValueError(f"tenant: give one per prompt ({len(prompts)}), as a list")
 
         batch: list[tuple[int, Request, str | None]] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             prio = priority[i] if priority is not None else 0
+            who = tenant[i] if tenant is not None else None
             try:  # n > 1 is one request: the engine forks its sequences after one prefill
-                request, text = self.engine.make_request(_prompt_input(prompt, i), sp, priority=prio)
+                request, text = self.engine.make_request(_prompt_input(prompt, i), sp, priority=prio, tenant=who)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}" if not str(e).startswith("prompts[") else str(e)) from e
             batch.append((i, request, text))

@@ -5,7 +5,11 @@ Models: "known" as above; "no-usage" the same without the usage chunk; "shared" 
 token gap grow with load, 10 ms x max(1, streams in flight / 4), like a server of fixed
 capacity; "flood" sends every chunk in a write of its own without waiting, "burst" all
 of them in one write (both to measure the client); "eos" meets its end of sequence after
-3 tokens unless the request says `ignore_eos`; "broken" answers 500. Run: python known_server.py PORT
+3 tokens unless the request says `ignore_eos`; "broken" answers 500.
+
+Every request's Authorization header is counted (GET /auth-counts: header -> requests, "" for
+none); a key that ends in "-429" is answered 429, as a rate-limited tenant is. Run:
+python known_server.py PORT
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections import Counter
 
 from aiohttp import web
 
@@ -22,6 +27,7 @@ SHARED_CAPACITY = 4
 EOS_AFTER = 3
 
 in_flight = 0
+auth_counts: Counter[str] = Counter()
 
 
 def chunk(text: str, last: bool, chat: bool) -> bytes:
@@ -33,6 +39,11 @@ def chunk(text: str, last: bool, chat: bool) -> bytes:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     global in_flight
+    auth = request.headers.get("Authorization", "")
+    auth_counts[auth] += 1
+    if auth.endswith("-429"):
+        return web.json_response({"error": {"message": "rate limited on purpose", "type": "rate_limit_exceeded",
+                                            "param": None, "code": "rate_limit_exceeded"}}, status=429)
     body = await request.json()
     model, n = body.get("model"), body["max_tokens"]
     if model == "eos" and not body.get("ignore_eos"):
@@ -76,11 +87,16 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": "known", "object": "model"}]})
 
 
+async def auth(request: web.Request) -> web.Response:
+    return web.json_response(dict(auth_counts))
+
+
 def main() -> None:
     app = web.Application()
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/auth-counts", auth)
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 
 

@@ -16,6 +16,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.api import build_app
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.tenancy import make_tenancy
 
 MODEL_NAME = "tiny"
 
@@ -61,13 +62,16 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def start_server(api_key: str | None = None, max_waiting_requests: int = 1024, **engine_args) -> RunningServer:
+def start_server(api_key: str | None = None, max_waiting_requests: int = 1024, tenancy: dict | None = None,
+                 access_log: bool = False, **engine_args) -> RunningServer:
+    """`tenancy`: make_tenancy's arguments (tenants_file, admin_key, limits_db, limits_store, ...)."""
     # float32: a CPU with bfloat16 would pick it, and tests compare with float32 references
     engine_args = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_num_seqs": 64, "dtype": "float32",
                    **engine_args}
     metrics = ServerMetrics(MODEL_NAME)
+    tenants = None if tenancy is None else make_tenancy(metrics, **tenancy)
     engine = AsyncEngine(EngineConfig(**engine_args), max_waiting_requests=max_waiting_requests, observer=metrics)
-    app = build_app(engine, [MODEL_NAME], metrics, api_key=api_key)
+    app = build_app(engine, [MODEL_NAME], metrics, api_key=api_key, tenancy=tenants, access_log=access_log)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -132,7 +132,7 @@ def check_between_steps(sched: Scheduler) -> None:
     for req in sched.running:
         assert req.status == RequestStatus.RUNNING
         assert len(sched.kv.get_block_ids(req.request_id)) == math.ceil(req.num_computed_tokens / bs)
-    waiting = [kv[1] for kv in sched.waiting] if sched.by_priority else list(sched.waiting)
+    waiting = list(sched.waiting)
     for req in waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert sched.kv.get_block_ids(req.request_id) == []
@@ -511,7 +511,7 @@ def test_a_preempted_request_keeps_its_place_by_priority_and_arrival():
     step(sched, runner)
     out = step(sched, runner)
     assert out.preempted == [x]
-    assert [kv[1].request_id for kv in sched.waiting] == ["x", "later"]
+    assert [r.request_id for r in sched.waiting] == ["x", "later"]
 
 
 # -- static batching ------------------------------------------------------------------

@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,8 @@ class RequestRecord:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     error: str | None = None
+    status: int | None = None  # the HTTP status; None when no answer came (connection errors)
+    tenant: str | None = None  # the tenant it was sent as (BenchRequest.tenant)
     text: str = ""  # the generated text
     usage: bool = True  # token counts from the server's usage; False: counted by the client
 
@@ -88,6 +90,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, payload: dict
     pending = b""
     try:
         async with session.post(url, json=payload, headers=headers, trace_request_ctx=record) as resp:
+            record.status = resp.status
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return record
@@ -180,38 +183,57 @@ async def run_benchmark(base_url: str, model: str, requests: Sequence[BenchReque
                         path: str | None = None, ignore_eos: bool = True, request_rate: float = math.inf,
                         burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                         api_key: str | None = None, warmup: Sequence[BenchRequest] = (),
-                        on_done: Callable[[RequestRecord], None] | None = None) -> tuple[list[RequestRecord], float]:
+                        on_done: Callable[[RequestRecord], None] | None = None,
+                        tenant_keys: Mapping[str, str] | None = None,
+                        offsets: Sequence[float] | None = None) -> tuple[list[RequestRecord], float]:
     """Sends the requests on a precomputed arrival schedule, at most `max_concurrency` in
     flight; returns the records (in request order) and the wall time from the first send
     to the last answer. `endpoint` says which API the requests speak, `path` where they go
     (default ENDPOINTS[endpoint]). `warmup` requests go first, all at once (within the
-    concurrency limit), on the same connection pool, and are left out."""
+    concurrency limit), on the same connection pool, and are left out.
+
+    The schedule is `offsets` (seconds from the start, one per request; bench/tenants.py's
+    `interleave` merges one schedule per tenant) or else drawn from `request_rate`,
+    `burstiness` and `seed`. A request with a `tenant` is sent with that tenant's key from
+    `tenant_keys`, the others with `api_key`."""
     url = base_url.rstrip("/") + (path or ENDPOINTS[endpoint])
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+    keys = dict(tenant_keys or {})
+    missing = sorted({r.tenant for r in (*warmup, *requests) if r.tenant is not None and r.tenant not in keys})
+    if missing:
+        raise ValueError(f"no API key for tenant {missing[0]!r} (tenant_keys has {', '.join(sorted(keys)) or 'none'})")
+    if offsets is None:
+        offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+    elif len(offsets) != len(requests):
+        raise ValueError(f"offsets: one send time per request, got {len(offsets)} for {len(requests)} requests")
+
+    def headers_for(request: BenchRequest) -> dict[str, str] | None:
+        key = keys[request.tenant] if request.tenant is not None else api_key
+        return {"Authorization": f"Bearer {key}"} if key else None
+
     payloads = [request_payload(model, r, endpoint, ignore_eos) for r in requests]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[_trace_config()]) as session:
-        async def one(payload: dict, at: float, measured: bool = True) -> RequestRecord:
+        async def one(request: BenchRequest, payload: dict, at: float, measured: bool = True) -> RequestRecord:
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if limit is not None:
                 async with limit:
-                    record = await stream_request(session, url, payload, headers)
+                    record = await stream_request(session, url, payload, headers_for(request))
             else:
-                record = await stream_request(session, url, payload, headers)
+                record = await stream_request(session, url, payload, headers_for(request))
             record.scheduled = start + at
+            record.tenant = request.tenant
             if on_done is not None and measured:
                 on_done(record)
             return record
 
         start = time.perf_counter()
-        await asyncio.gather(*(one(request_payload(model, r, endpoint, ignore_eos), 0.0, measured=False)
+        await asyncio.gather(*(one(r, request_payload(model, r, endpoint, ignore_eos), 0.0, measured=False)
                                for r in warmup))
         start = time.perf_counter()
-        records = await asyncio.gather(*(one(p, at) for p, at in zip(payloads, offsets)))
+        records = await asyncio.gather(*(one(r, p, at) for r, p, at in zip(requests, payloads, offsets)))
         return list(records), max(r.end for r in records) - start

@@ -3,7 +3,8 @@ E2E, throughput, goodput and cost (definitions in bench/metrics.py). It takes
 `vllm bench serve`'s flags too (bench/vllm_args.py).
 
 The pieces here (checks, tokenizer, workload, one run) are shared with `bench sweep`
-and `bench sla` (bench/sweep.py).
+and `bench sla` (bench/sweep.py). With --tenants, requests are sent as the tenants of a
+server's tenants file in the shares of --tenant-mix, and reported per tenant (bench/tenants.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from tokenmill.bench.client import RequestRecord, count_tokens, run_benchmark
 from tokenmill.bench.metrics import (METRICS, PERCENTILES, parse_goodput, parse_percentile_metrics, parse_percentiles,
                                      parse_slo, summarize)
 from tokenmill.bench.report import print_table, write_json
+from tokenmill.bench.tenants import (TenantMix, assign_tenants, fairness_index, load_tenant_mix, print_tenant_table,
+                                     tenant_report, with_tenant)
 from tokenmill.bench.vllm_args import resolve, result_path, vllm_header
 from tokenmill.bench.workloads import (
     WORKLOADS,
@@ -52,6 +55,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {args.workload!r}")
     if args.workload == "shared-prefix" and (args.num_prefixes < 1 or args.prefix_len < 1):
         raise ValueError(f"--num-prefixes and --prefix-len must be >= 1, got {args.num_prefixes} and {args.prefix_len}")
+
+
+def tenant_mix(args: argparse.Namespace) -> TenantMix | None:
+    """The mix of --tenants and --tenant-mix, or None without --tenants. ValueError naming the flag."""
+    if args.tenants is None:
+        if args.tenant_mix is not None:
+            raise ValueError("--tenant-mix needs --tenants FILE (the tenants and their keys)")
+        return None
+    return load_tenant_mix(args.tenants, args.tenant_mix)
 
 
 def load_tokenizer(args: argparse.Namespace) -> Any | None:
@@ -120,10 +132,12 @@ def check_server(base_url: str) -> None:
 
 def run_once(args: argparse.Namespace, requests: list[BenchRequest], tokenizer: Any | None, *, request_rate: float,
              max_concurrency: int | None, slo: dict[str, float] | None = None, desc: str = "bench serve",
-             metrics: tuple[str, ...] = METRICS,
-             percentiles: tuple[float, ...] = PERCENTILES) -> tuple[dict[str, Any], list[RequestRecord]]:
+             metrics: tuple[str, ...] = METRICS, percentiles: tuple[float, ...] = PERCENTILES,
+             mix: TenantMix | None = None) -> tuple[dict[str, Any], list[RequestRecord]]:
     """One run of the workload (the first --warmup requests left out); the summary (with the
-    statistics of `metrics` at `percentiles`) and the records."""
+    statistics of `metrics` at `percentiles`) and the records. With a tenant `mix` (the
+    requests carry their tenants), each tenant's figures under `tenants` and Jain's index
+    over weighted service as `jain_fairness_index`."""
     warmup, measured = requests[:args.warmup], requests[args.warmup:]
     bar = tqdm(total=len(measured), desc=desc, unit="req", disable=args.no_progress, dynamic_ncols=True)
     try:
@@ -131,13 +145,16 @@ def run_once(args: argparse.Namespace, requests: list[BenchRequest], tokenizer: 
             args.base_url, args.model, measured, endpoint=args.endpoint, path=args.endpoint_path,
             ignore_eos=args.ignore_eos, request_rate=request_rate,
             burstiness=args.burstiness, seed=args.seed, api_key=args.api_key, max_concurrency=max_concurrency,
-            warmup=warmup, on_done=lambda _: bar.update(1)))
+            warmup=warmup, on_done=lambda _: bar.update(1), tenant_keys=mix.keys if mix else None))
     finally:
         bar.close()
     token_counts = count_tokens(records, measured, tokenizer)
     result: dict[str, Any] = summarize(records, duration, slo=slo, cost_per_hour=args.cost_per_hour,
                                        num_gpus=args.num_gpus, metrics=metrics, percentiles=percentiles)
     result["token_counts"] = token_counts
+    if mix is not None:
+        result["tenants"] = tenant_report(records, duration, mix.weights, mix.shares)
+        result["jain_fairness_index"] = fairness_index(result["tenants"])
     failed = [r for r in records if not r.ok]
     if failed:
         result["first_error"] = failed[0].error
@@ -156,6 +173,8 @@ def config_json(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_result(title: str, result: dict[str, Any], workload: str) -> None:
     print_table(title, result)
+    if "tenants" in result:
+        print_tenant_table(result["tenants"], result["jain_fairness_index"])
     print(f"workload: {workload}")
     print(f"token counts from {result['token_counts']}")
     if result["failed"]:
@@ -163,13 +182,21 @@ def print_result(title: str, result: dict[str, Any], workload: str) -> None:
               f"{result['first_error']}")
 
 
-def prepare(args: argparse.Namespace) -> tuple[list[BenchRequest], str, Any | None]:
+def prepare(args: argparse.Namespace, mix: TenantMix | None = None) -> tuple[list[BenchRequest], str, Any | None]:
+    """Checks the flags; the workload (its requests sent as the tenants of `mix`, the
+    warm-up and the measured requests each split by it), a line saying what it is, the
+    tokenizer."""
     resolve(args)
     check_args(args)
     if args.model is None:
-        args.model = first_model(args.base_url, args.api_key)
+        args.model = first_model(args.base_url, args.api_key or (next(iter(mix.keys.values())) if mix else None))
     tokenizer = load_tokenizer(args)
     requests, workload = build_workload(args, tokenizer)
+    if mix is not None:
+        names = (assign_tenants(args.warmup, mix.shares, args.seed)
+                 + assign_tenants(args.num_prompts, mix.shares, args.seed))
+        requests = with_tenant(requests, names)
+        workload += f"; tenants from {args.tenants}: {mix.describe()}"
     if args.endpoint == "chat" and tokenizer is not None:
         workload += "; the chat template adds tokens around each prompt"
     check_server(args.base_url)
@@ -188,9 +215,10 @@ def bench_serve(args: argparse.Namespace) -> int:
     slo = parse_goodput(args.goodput) if args.goodput else parse_slo(args.slo) if args.slo else None
     stats = {"metrics": parse_percentile_metrics(args.percentile_metrics),
              "percentiles": parse_percentiles(args.metric_percentiles)}
-    requests, workload, tokenizer = prepare(args)
+    mix = tenant_mix(args)
+    requests, workload, tokenizer = prepare(args, mix)
     result, records = run_once(args, requests, tokenizer, request_rate=args.request_rate,
-                               max_concurrency=args.max_concurrency, slo=slo, **stats)
+                               max_concurrency=args.max_concurrency, slo=slo, mix=mix, **stats)
     print_result(f"tokenmill bench serve: {describe(args, args.request_rate, args.max_concurrency)}", result, workload)
     header = vllm_header(args)
     path = result_path(args, header["date"]) if args.save_result else args.output_json

@@ -43,6 +43,7 @@ class BenchRequest:
     prompt: str | list[int]  # text, or token ids (completions only)
     output_len: int
     prompt_len: int = 0  # tokens; approximate when no tokenizer was at hand
+    tenant: str | None = None  # sent with this tenant's API key (bench/tenants.py)
 
 
 def parse_range(value: str, name: str) -> tuple[int, int]:

@@ -91,10 +91,13 @@ class AsyncEngine:
         return self._started.is_set() and self._thread.is_alive() and not self._stopping
 
     # -- requests -------------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> tuple[Request, str | None]:
-        """Validates and tokenizes on the caller's thread; raises ValueError naming the limit."""
-        return self.engine.make_request(prompt, params, request_id=request_id)
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     priority: int = 0, tenant: str | None = None,
+                     tenant_weight: float = 1.0) -> tuple[Request, str | None]:
+        """Validates and tokenizes on the caller's thread; raises ValueError naming the limit.
+        `priority`, `tenant` and `tenant_weight` are what the scheduler's queue policy sees."""
+        return self.engine.make_request(prompt, params, request_id=request_id, priority=priority, tenant=tenant,
+                                        tenant_weight=tenant_weight)
 
     @property
     def num_waiting(self) -> int:

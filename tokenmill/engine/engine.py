@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -62,7 +63,9 @@ class Engine:
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, budget, self.max_model_len,
                                    policy=config.scheduler, scheduling_policy=config.scheduling_policy,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   fair_prompt_token_weight=config.fair_prompt_token_weight,
+                                   fair_output_token_weight=config.fair_output_token_weight)
         self.kv_capacity_tokens = self.runner.num_blocks * config.block_size
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None
@@ -90,8 +93,11 @@ class Engine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
-                     priority: int = 0, arrival_time: float | None = None) -> tuple[Request, str | None]:
-        """Validates a prompt against the model and the cache; raises ParamError naming the limit."""
+                     priority: int = 0, arrival_time: float | None = None, tenant: str | None = None,
+                     tenant_weight: float = 1.0) -> tuple[Request, str | None]:
+        """Validates a prompt against the model and the cache; raises ParamError naming the limit.
+        `priority`, `tenant` and `tenant_weight` are what the scheduling policy sees (fair: the
+        lane, whose counter the request's service raises, and that tenant's share)."""
         if not isinstance(params, SamplingParams):
             raise ParamError("sampling_params",
                              f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -126,8 +132,14 @@ class Engine:
                              f"cache capacity of {self.kv_capacity_tokens} tokens; raise kv_cache_memory")
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
             raise ParamError("priority", f"priority must be an integer, got {priority!r}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ParamError("tenant", f"tenant must be a string, got {tenant!r}")
+        if isinstance(tenant_weight, bool) or not isinstance(tenant_weight, (int, float)) \
+                or not math.isfinite(tenant_weight) or tenant_weight <= 0:
+            raise ParamError("tenant_weight", f"tenant_weight must be a finite number > 0, got {tenant_weight!r}")
         rid = request_id if request_id is not None else str(next(self._ids))
-        request = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time)
+        request = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, priority, arrival_time,
+                          tenant, float(tenant_weight))
         if self.tokenizer is None:
             _check_without_tokenizer(params)
         if params.bad_words:

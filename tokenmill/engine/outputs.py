@@ -77,4 +77,4 @@ def snapshot(tracked: Tracked, seqs: list[Seq], new_text: str, new_ids: list[int
                              r.finish_time, max(r.num_cached_tokens, 0), r.num_preemptions)
     return RequestOutput(r.request_id, tracked.prompt, r.prompt_token_ids, completions, finished,
                          metrics, tracked.error or r.error, new_ids, new_text, new_logprobs,
-                         tracked.prompt_logprobs)
+                         tracked.prompt_logprobs, r.tenant)

@@ -49,16 +49,21 @@ class Request:
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "last_token_time", "bad_words_token_ids", "prompt_logprobs", "parent", "index",
                  "num_forks", "cumulative_logprob", "grammar", "spec_token_ids", "spec_accepted",
-                 "spec_rejected")
+                 "spec_rejected", "tenant", "tenant_weight")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
-                 priority: int = 0, arrival_time: float | None = None) -> None:
+                 priority: int = 0, arrival_time: float | None = None, tenant: str | None = None,
+                 tenant_weight: float = 1.0) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # who the request is for, and its share, under scheduling_policy="fair" (request_queue.py);
+        # None is served as the default tenant ""
+        self.tenant = tenant
+        self.tenant_weight = tenant_weight
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -101,7 +106,7 @@ class Request:
         child_params = replace(sp, n=1, best_of=None, prompt_logprobs=None,
                                seed=None if sp.seed is None else sp.seed + index)
         child = Request(f"{self.request_id}#{index}", self.prompt_token_ids, child_params, (),
-                        self.max_tokens, self.priority, self.arrival_time)
+                        self.max_tokens, self.priority, self.arrival_time, self.tenant, self.tenant_weight)
         child.eos_token_ids = self.eos_token_ids
         child.parent, child.index = self, index
         child.num_computed_tokens = self.num_computed_tokens
@@ -214,3 +219,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one dict per prompt token (None for the first), from the
     # first output on
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    tenant: str | None = None  # the request's tenant, as given to Engine.make_request

@@ -8,24 +8,24 @@ decoding a decoding request is scheduled for 1 + k tokens, its drafts included
 (`num_tokens_with_spec`); after the step `num_computed_tokens` rolls back to the
 accepted tokens and the blocks past them are freed.
 
-Order of a step: running requests first (oldest first), preempting by recompute
+Order of a step: running requests first (in admission order), preempting by recompute
 when the KV cache is full; then, if nothing was preempted, waiting requests are
-admitted while budget, `max_num_seqs` and KV blocks allow. The `static` policy
-admits a new batch only once the previous batch has fully finished: the baseline
-that continuous batching is measured against.
+admitted while budget, `max_num_seqs` and KV blocks allow. Who is admitted next and
+who is preempted is the waiting queue's policy (request_queue.py: fcfs | priority |
+fair, the last with per-tenant virtual token counters fed by `on_admitted` and
+`on_sampled`). The `static` policy admits a new batch only once the previous batch has
+fully finished: the baseline that continuous batching is measured against.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus, TokenLogprobs
+from tokenmill.engine.request_queue import make_request_queue
 
 
 @dataclass(slots=True)
@@ -80,20 +80,18 @@ class ModelRunnerOutput(NamedTuple):
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "continuous", scheduling_policy: str = "fcfs",
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, fair_prompt_token_weight: float = 1.0,
+                 fair_output_token_weight: float = 2.0) -> None:
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.static = policy == "static"
-        self.by_priority = scheduling_policy == "priority"
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] | list[tuple[tuple[int, float, int], Request]]
-        self.waiting = [] if self.by_priority else deque()
+        self.waiting = make_request_queue(scheduling_policy, fair_prompt_token_weight, fair_output_token_weight)
         self.running: list[Request] = []
         self._batch_open = True  # static policy: may the current batch still take requests?
-        self._order = itertools.count()
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prefill work done, recomputation included
         # speculative decoding: drafts verified, drafts accepted, accepted at each draft position
@@ -108,7 +106,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self._enqueue(request, front=False)
+        self.waiting.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request from outside (abort, stop string, error); frees its blocks."""
@@ -118,7 +116,7 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self._remove_waiting(request)
+            self.waiting.remove(request)
         self._finish(request, status)
         return request
 
@@ -144,7 +142,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self._pick_victim()
+                victim = self.waiting.pick_victim(self.running)
                 if self.running.index(victim) < i:
                     i -= 1
                 self.running.remove(victim)
@@ -200,7 +198,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 self._batch_open = False
                 break
-            request = self._peek_waiting()
+            request = self.waiting.peek()
             # cached blocks have no logits: a prompt that wants its logprobs is computed whole
             hits, num_cached = ([], 0) if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
@@ -210,13 +208,14 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hits):
                 self._batch_open = False
                 break
-            self._pop_waiting()
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            self.waiting.on_admitted(request)  # before the next peek: fair charges the prompt here
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
@@ -240,21 +239,24 @@ class Scheduler:
             if request.spec_token_ids:
                 self._count_accepted(request, len(request.spec_token_ids), len(tokens) - 1)
                 request.spec_token_ids = []
+            status, num_appended = None, 0
             for token_id, logprobs in tokens:  # one by one: a stop ends the request where it is
                 request.all_token_ids.append(token_id)
+                num_appended += 1
                 if logprobs is not None:
                     request.cumulative_logprob += logprobs[1]
                     if request.logprobs is not None:
                         request.logprobs.append(logprobs)
                 status = self._check_stop(request, token_id)
                 if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
                     break
-            else:
-                if request.num_computed_tokens >= request.num_tokens:  # rejected drafts: roll back
-                    request.num_computed_tokens = request.num_tokens - 1
-                    self.kv.trim(request, request.num_computed_tokens)
+            self.waiting.on_sampled(request, num_appended)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            elif request.num_computed_tokens >= request.num_tokens:  # rejected drafts: roll back
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv.trim(request, request.num_computed_tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
@@ -293,14 +295,9 @@ class Scheduler:
         self.kv.free(request, finished=True)
         del self.requests[request.request_id]
 
-    def _pick_victim(self) -> Request:
-        if self.by_priority:
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the request's blocks and send it back to the
-        front of the queue; it recomputes its prompt and output so far when it resumes
+        queue, ahead of later arrivals; it recomputes its prompt and output so far when it resumes
         (much of it from the prefix cache) and goes on exactly where it stopped."""
         self.kv.free(request, finished=False)
         request.num_computed_tokens = 0
@@ -308,27 +305,4 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(request, front=True)
-
-    def _enqueue(self, request: Request, front: bool) -> None:
-        if self.by_priority:
-            # lower priority value first, then earlier arrival; a preempted request
-            # keeps its arrival time, so it goes back ahead of later arrivals
-            key = (request.priority, request.arrival_time, next(self._order))
-            bisect.insort(self.waiting, (key, request), key=lambda kv: kv[0])
-        elif front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
-
-    def _peek_waiting(self) -> Request:
-        return self.waiting[0][1] if self.by_priority else self.waiting[0]
-
-    def _pop_waiting(self) -> Request:
-        return self.waiting.pop(0)[1] if self.by_priority else self.waiting.popleft()
-
-    def _remove_waiting(self, request: Request) -> None:
-        if self.by_priority:
-            self.waiting = [kv for kv in self.waiting if kv[1] is not request]
-        else:
-            self.waiting.remove(request)
+        self.waiting.prepend(request)

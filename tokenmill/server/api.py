@@ -1,7 +1,11 @@
 """The FastAPI app: OpenAI-compatible routes, errors as OpenAI bodies, auth, metrics.
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models
-    GET /health                 GET /metrics                   GET /openapi.json
+    GET /v1/usage               GET /health                    GET /metrics      GET /openapi.json
+
+With tenants (server/tenancy.py) every /v1 request is authenticated to a tenant,
+admitted by its limits before it is queued, and charged what it used when its
+answer ends, streamed or not, finished or abandoned.
 
 Every error, including FastAPI's own validation errors, is answered as
 `{"error": {"message", "type", "param", "code"}}`; bad input is a 4xx, never a 500.
@@ -10,10 +14,10 @@ Every error, including FastAPI's own validation errors, is answered as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -29,10 +33,15 @@ from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatComp
                                        CompletionResponse, ErrorResponse, ModelList)
 from tokenmill.server.chat import ChatServing
 from tokenmill.server.completions import CompletionServing
+from tokenmill.server.limits import Limits, LocalLimitStore
+from tokenmill.server.serving import Choice
+from tokenmill.server.tenancy import Tenancy
+from tokenmill.server.tenants import Tenant, Tenants
 
 logger = logging.getLogger("tokenmill.server")
+access_logger = logging.getLogger("tokenmill.access")
 T = TypeVar("T")
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
 _STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
 
@@ -42,8 +51,13 @@ class ClientGone(Exception):
 
 
 def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: ServerMetrics,
-              api_key: str | None = None) -> FastAPI:
-    """The app; starting it (lifespan) starts the engine thread, stopping it stops the thread."""
+              api_key: str | None = None, tenancy: Tenancy | None = None, access_log: bool = False) -> FastAPI:
+    """The app; starting it (lifespan) starts the engine thread, stopping it stops the thread.
+    `api_key` alone is one tenant with no limits; `tenancy` brings tenants and their limits.
+    `access_log`: a line per HTTP request naming its tenant (never its key)."""
+    if tenancy is None:
+        limits = None if api_key is None else Limits(Tenants.single_key(api_key), LocalLimitStore())
+        tenancy = Tenancy(limits, metrics)
     completion_serving = CompletionServing(engine, served_model_names)
     chat_serving = ChatServing(engine, served_model_names)
     started = int(time.time())
@@ -55,19 +69,32 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
             yield
         finally:
             await engine.stop()
+            if tenancy.limits is not None:
+                tenancy.limits.close()
 
     app = FastAPI(title="tokenmill", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
     _install_error_handlers(app)
+    if access_log:
+        app.add_middleware(AccessLog)
 
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+    async def authenticate(request: Request) -> None:
+        tenant = tenancy.authenticate(request.headers.get("authorization", ""))
+        request.state.tenant = tenant
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)], responses=_ERRORS)
+    async def admitted(request: Request, rid: str, choices: list[Choice], n: int,
+                       stream: Callable[[], AsyncIterator[str]] | None,
+                       whole: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
+        """Runs an answer under its tenant's limits: admitted (or 429) before anything is queued,
+        released with the tokens it used when it ends, however it ends."""
+        grant = tenancy.admit(request.state.tenant, rid, choices, n)
+        if stream is not None:
+            return _sse(_released(stream(), lambda: tenancy.release(grant, choices)))
+        try:
+            return JSONResponse(await _unless_disconnected(request, whole()))
+        finally:
+            tenancy.release(grant, choices)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)], responses=_ERRORS)
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
@@ -77,23 +104,29 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
 
     @v1.post("/completions", response_model=CompletionResponse, responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        completion_serving.model_name(body.model)
-        rid, choices = completion_serving.prepare_completion(body)
+        origin = tenancy.origin(request.state.tenant, body.priority, completion_serving.model_name(body.model))
+        rid, choices = completion_serving.prepare_completion(body, origin)
         await completion_serving.compile_grammar(body, choices)
-        if body.stream:
-            return _sse(completion_serving.completion_stream(body, rid, choices))
-        return JSONResponse(await _unless_disconnected(request, completion_serving.completion(body, rid, choices)))
+        return await admitted(request, rid, choices, body.n,
+                              (lambda: completion_serving.completion_stream(body, rid, choices)) if body.stream else None,
+                              lambda: completion_serving.completion(body, rid, choices))
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        chat_serving.model_name(body.model)
-        rid, choices = chat_serving.prepare_chat(body)
+        origin = tenancy.origin(request.state.tenant, body.priority, chat_serving.model_name(body.model))
+        rid, choices = chat_serving.prepare_chat(body, origin)
         await chat_serving.compile_grammar(body, choices)
-        if body.stream:
-            return _sse(chat_serving.chat_stream(body, rid, choices))
-        return JSONResponse(await _unless_disconnected(request, chat_serving.chat(body, rid, choices)))
+        return await admitted(request, rid, choices, body.n,
+                              (lambda: chat_serving.chat_stream(body, rid, choices)) if body.stream else None,
+                              lambda: chat_serving.chat(body, rid, choices))
 
     app.include_router(v1)
+
+    @app.get("/v1/usage", responses=_ERRORS)
+    async def usage(request: Request) -> dict[str, Any]:
+        """The caller's tenant's usage in its quota period and what is left; every tenant's
+        with the admin key."""
+        return tenancy.usage(request.headers.get("authorization", ""))
 
     @app.get("/health")
     async def health() -> Response:
@@ -106,6 +139,46 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class AccessLog:
+    """One log line per HTTP request, naming its tenant (set on request.state by the
+    authentication), never its key; replaces uvicorn's access log."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 0
+
+        async def send_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            tenant: Tenant | None = scope.get("state", {}).get("tenant")
+            client = scope.get("client") or ("-", 0)
+            access_logger.info('%s:%s tenant=%s "%s %s HTTP/%s" %d %.1fms', client[0], client[1],
+                               tenant.name if tenant is not None else "-", scope["method"], scope["path"],
+                               scope.get("http_version", "1.1"), status or 499, (time.perf_counter() - start) * 1e3)
+
+
+async def _released(chunks: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
+    """The chunks of a streamed answer; `release` runs once the stream has ended (its engine
+    requests finished or aborted), however it ends."""
+    try:
+        async with contextlib.aclosing(chunks) as stream:  # type: ignore[type-var]
+            async for chunk in stream:
+                yield chunk
+    finally:
+        release()
 
 
 def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
@@ -126,12 +199,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()
         if not task.done():
             task.cancel()
-        watcher.cancel()
+            # cancel() only asks: wait until the task has unwound (its engine requests aborted),
+            # so that its outcome is set and read below, never left for asyncio to report
+            await asyncio.wait((task,))
     if task.cancelled():
         raise ClientGone()
-    return task.result()
+    return task.result()  # also when it finished as the client left: its result (or its error)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

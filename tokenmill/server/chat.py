@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenmill.engine.request import RequestOutput
 from tokenmill.server.protocol import APIError, ChatCompletionRequest
-from tokenmill.server.serving import Choice, Envelope, OpenAIServing, usage
+from tokenmill.server.serving import Choice, Envelope, Origin, OpenAIServing, usage
 
 # used when the tokenizer has no chat template of its own
 FALLBACK_CHAT_TEMPLATE = (
@@ -22,7 +22,7 @@ _RESERVED_TEMPLATE_ARGS = {"conversation", "tools", "documents", "chat_template"
 
 
 class ChatServing(OpenAIServing):
-    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[Choice]]:
+    def prepare_chat(self, req: ChatCompletionRequest, origin: Origin = Origin()) -> tuple[str, list[Choice]]:
         if self.tokenizer is None:
             raise APIError(400, "messages: chat needs a tokenizer (its template), and this server runs with "
                            "--skip-tokenizer-init; use /v1/completions with token ids", param="messages")
@@ -40,7 +40,7 @@ class ChatServing(OpenAIServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return rid, self.submit([prompt_ids], params, req.n, rid, prompt_param="messages")
+        return rid, self.submit([prompt_ids], params, req.n, rid, prompt_param="messages", origin=origin)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         conversation = []

@@ -14,11 +14,11 @@ from typing import Any
 
 from tokenmill.engine.request import RequestOutput
 from tokenmill.server.protocol import APIError, CompletionRequest
-from tokenmill.server.serving import Choice, Envelope, OpenAIServing, top_entries, usage
+from tokenmill.server.serving import Choice, Envelope, OpenAIServing, Origin, top_entries, usage
 
 
 class CompletionServing(OpenAIServing):
-    def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[Choice]]:
+    def prepare_completion(self, req: CompletionRequest, origin: Origin = Origin()) -> tuple[str, list[Choice]]:
         if req.suffix:
             raise APIError(400, "suffix: not supported", param="suffix")
         if req.stream and req.best_of is not None and req.best_of > req.n:
@@ -35,7 +35,7 @@ class CompletionServing(OpenAIServing):
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         params = self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs, req.best_of)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return rid, self.submit(prompts, params, req.n, rid)
+        return rid, self.submit(prompts, params, req.n, rid, origin=origin)
 
     async def completion(self, req: CompletionRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
         finals = await self.final_outputs(choices, req.n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -12,6 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.api import build_app
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.tenancy import Tenancy, make_tenancy
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -28,16 +30,31 @@ class _Server(uvicorn.Server):
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           api_key: str | None = None, max_waiting_requests: int = 1024, shutdown_timeout: float = 30.0,
-          log_level: str = "info", access_log: bool = True) -> int:
+          log_level: str = "info", access_log: bool = True, tenancy: dict[str, Any] | None = None) -> int:
     """Serves until stopped. SIGTERM: stop accepting, let in-flight requests finish (at most
-    `shutdown_timeout` seconds), exit 0."""
+    `shutdown_timeout` seconds), exit 0. `tenancy`: make_tenancy's arguments (tenants, keys,
+    limits store), checked before the model loads."""
     name = served_model_name or config.model or "tokenmill-default"
     metrics = ServerMetrics(name)
+    tenants = make_tenancy(metrics, **(tenancy or {"api_key": api_key}))
+    if tenants.limits is not None:
+        _log_tenants(tenants, config)
     engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics)
-    app = build_app(engine, [name], metrics, api_key=api_key)
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+    app = build_app(engine, [name], metrics, tenancy=tenants, access_log=access_log)
+    # our access log names the tenant; uvicorn's would only repeat it without
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
     server = _Server(uv_config)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", name, host, port)
     server.run()
     return 0 if server.started else 1
+
+
+def _log_tenants(tenancy: Tenancy, config: EngineConfig) -> None:
+    assert tenancy.limits is not None
+    tenants = tenancy.limits.tenants.tenants
+    logger.info("%d tenants (%s); limits store: %s; scheduling policy: %s", len(tenants),
+                ", ".join(t.name for t in tenants), type(tenancy.limits.store).__name__, config.scheduling_policy)
+    if config.scheduling_policy == "fcfs" and len({(t.priority, t.weight) for t in tenants}) > 1:
+        logger.warning("tenants have priorities or weights, which --scheduling-policy fcfs ignores: use "
+                       "priority (lanes) or fair (weighted fair shares within lanes)")

@@ -68,6 +68,17 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to run")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)")
+        # per tenant (label `tenant`, from the tenants file: a bounded set)
+        self.tenant_prompt_tokens = counter("tenant_prompt_tokens", "Prompt tokens processed, by tenant", ("tenant",))
+        self.tenant_generation_tokens = counter("tenant_generation_tokens", "Tokens generated, by tenant",
+                                                ("tenant",))
+        self.tenant_requests = counter("tenant_requests", "Requests by tenant and outcome: stop, length, abort, "
+                                       "error, rate_limited, quota_exceeded", ("tenant", "outcome"))
+        self.tenant_queue_time = Histogram("tokenmill:tenant_request_queue_time_seconds", "Arrival to first "
+                                           "scheduled, by tenant", ["model_name", "tenant"], buckets=_LATENCY_BUCKETS,
+                                           registry=r)
+        self.tenant_ttft = Histogram("tokenmill:tenant_time_to_first_token_seconds", "Arrival to first generated "
+                                     "token, by tenant", ["model_name", "tenant"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / "
                                      "tokens looked up, since start (0..1)")
         self.throughput = gauge("generation_throughput_toks_per_s", "Tokens generated per second over the "
@@ -88,13 +99,18 @@ class ServerMetrics:
             index = out.outputs[0].index
             last_times = self._last_token_time.setdefault(out.request_id, {})
             last = last_times.get(index)
+            tenant = out.tenant
             if n:
+                if tenant is not None:
+                    self.tenant_generation_tokens.labels(**self._labels, tenant=tenant).inc(n)
                 if last is None and index == 0:  # the prompt is done: first token(s)
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
                     if m.first_token_time is not None:
                         self.ttft.observe(m.first_token_time - m.arrival_time)
                     if m.first_scheduled_time is not None:
                         self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                    if tenant is not None:
+                        self._observe_tenant_start(tenant, out)
                 elif last is not None:
                     for _ in range(n):  # several tokens in one step share the gap
                         self.itl.observe((now - last) / n)
@@ -136,11 +152,26 @@ class ServerMetrics:
                 counter.inc(new)
                 self._seen_spec[name] = total
 
+    def _observe_tenant_start(self, tenant: str, out: RequestOutput) -> None:
+        m = out.metrics
+        labels = {**self._labels, "tenant": tenant}
+        self.tenant_prompt_tokens.labels(**labels).inc(len(out.prompt_token_ids))
+        if m.first_token_time is not None:
+            self.tenant_ttft.labels(**labels).observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.tenant_queue_time.labels(**labels).observe(m.first_scheduled_time - m.arrival_time)
+
+    def tenant_refused(self, tenant: str, outcome: str) -> None:
+        """A request refused at admission: `rate_limited` or `quota_exceeded`."""
+        self.tenant_requests.labels(**self._labels, tenant=tenant, outcome=outcome).inc()
+
     def _finish(self, out: RequestOutput, now: float) -> None:
         self._last_token_time.pop(out.request_id, None)
         completion = out.outputs[0]
         reason = "error" if out.error is not None else (completion.finish_reason or "abort")
         self.requests_finished.labels(finished_reason=reason, **self._labels).inc()
+        if out.tenant is not None and out.outputs[0].index == 0:  # a request once, not each of its sequences
+            self.tenant_requests.labels(**self._labels, tenant=out.tenant, outcome=reason).inc()
         if reason not in ("stop", "length"):
             return
         m = out.metrics

@@ -111,6 +111,9 @@ class _SamplingRequest(_Strict):
     guided_grammar: str | None = Field(None, description="extension (vLLM, older name): Lark or GBNF")
     guided_whitespace_pattern: str | None = Field(None, description="extension (vLLM, older name)")
     user: str | None = None
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31,
+                                 description="extension (vLLM): lower runs first; with tenants, at least the "
+                                             "tenant's own priority")
 
 
 class CompletionRequest(_SamplingRequest):

@@ -19,12 +19,37 @@ from tokenmill.server.protocol import APIError, _SamplingRequest
 from tokenmill.server.structured_outputs import constraints, named, structured_field, structured_outputs
 
 
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Who sent a request, as the engine's queue policies see it (server/tenancy.py)."""
+
+    tenant: str | None = None
+    weight: float = 1.0
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class Meter:
+    """The tokens one answer has cost so far, over all its prompts and sequences: what its
+    tenant is charged. A prompt counts once its prefill is done (its first token)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _prefilled: set[str] = field(default_factory=set)
+
+    def add(self, request: Request, out: RequestOutput) -> None:
+        if out.new_token_ids and request.request_id not in self._prefilled:
+            self._prefilled.add(request.request_id)
+            self.prompt_tokens += len(out.prompt_token_ids)
+        self.completion_tokens += len(out.new_token_ids)
+
 
 @dataclass(slots=True)
 class Choice:
     index: int
     request: Request
     prompt_text: str | None
+    meter: Meter = field(default_factory=Meter)  # shared by all choices of one answer
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -86,7 +111,7 @@ class OpenAIServing:
             raise named(e, structured_field(req)) from e
 
     def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams, n: int, base_id: str,
-               prompt_param: str = "prompt") -> list[Choice]:
+               prompt_param: str = "prompt", origin: Origin = Origin()) -> list[Choice]:
         """Validates one engine request per prompt (its n sequences are forked inside the
         engine) and checks the queue bound; nothing is queued yet. Returns the n choices of
         each prompt, in order, sharing their prompt's request."""
@@ -102,12 +127,15 @@ class OpenAIServing:
         except QueueFullError as e:
             raise APIError(503, str(e), type="server_error", code="overloaded", headers={"Retry-After": "1"}) from e
         choices = []
+        meter = Meter()
         for i, prompt in enumerate(prompts):
             try:
-                request, text = self.engine.make_request(prompt, params, request_id=f"{base_id}-{i}")
+                request, text = self.engine.make_request(prompt, params, request_id=f"{base_id}-{i}",
+                                                         priority=origin.priority, tenant=origin.tenant,
+                                                         tenant_weight=origin.weight)
             except ValueError as e:
                 raise bad_request(e, prompt_param, index=i if len(prompts) > 1 else None) from e
-            choices.extend(Choice(i * n + j, request, text) for j in range(n))
+            choices.extend(Choice(i * n + j, request, text, meter) for j in range(n))
         return choices
 
     async def outputs(self, choices: list[Choice], n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -118,12 +146,14 @@ class OpenAIServing:
             c = requests[0]
             async with contextlib.aclosing(self.engine.generate(c.request, c.prompt_text)) as gen:
                 async for out in gen:
+                    c.meter.add(c.request, out)
                     yield c.index + out.outputs[0].index, out
             return
         merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
             async for out in self.engine.generate(c.request, c.prompt_text):
+                c.meter.add(c.request, out)
                 merged.put_nowait((c.index + out.outputs[0].index, out))
 
         tasks = [asyncio.ensure_future(pump(c)) for c in requests]

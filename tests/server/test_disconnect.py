@@ -1,0 +1,55 @@
+"""A client that closes the connection before its non-streamed answer is ready: the request
+is aborted and its KV blocks freed, and the server log stays quiet (no 500 handler, no
+traceback, no "Task exception was never retrieved")."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import socket
+import time
+
+import pytest
+
+from tests.server.test_load_and_metrics import finished
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "while True:"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "while True:"}]}),
+], ids=["completions", "chat"])
+def test_non_streamed_disconnect_is_aborted_quietly(server, caplog, path, body):
+    before = server.wait_idle()
+    payload = json.dumps({**body, "max_tokens": 200, "ignore_eos": True, "stream": False}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    # uvicorn's loggers do not propagate to the root logger, where caplog listens: listen there too
+    uvicorn_logger = logging.getLogger("uvicorn")
+    uvicorn_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
+                deadline = time.time() + 10
+                while server.metrics()["tokenmill:num_requests_running"] < 1 and time.time() < deadline:
+                    time.sleep(0.01)
+                assert server.metrics()["tokenmill:num_requests_running"] == 1
+                time.sleep(0.2)  # generating: the answer is not ready when the connection closes
+            after = server.wait_idle(timeout=10)
+            time.sleep(0.2)  # the handler finishes after the engine went idle
+            gc.collect()  # an unretrieved task exception is reported when the task is collected
+    finally:
+        uvicorn_logger.removeHandler(caplog.handler)
+
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING and
+             (r.exc_info or "InvalidStateError" in r.getMessage() or "unhandled error" in r.getMessage()
+              or "never retrieved" in r.getMessage() or "Traceback" in r.getMessage())]
+    assert not noisy, [f"{r.name}: {r.getMessage()} {r.exc_info and r.exc_info[1]!r}" for r in noisy]
+    # the request was aborted, not finished, and every KV block came back
+    assert finished(after, "abort") - finished(before, "abort") == 1
+    assert after["tokenmill:generation_tokens_total"] - before["tokenmill:generation_tokens_total"] < 200
+    assert after["tokenmill:kv_cache_usage_perc"] == 0.0
+    kv = server.engine.engine.kv_cache
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
