@@ -457,3 +457,24 @@ def test_a_fork_without_a_free_block_for_its_copy_waits():
     before = snapshot(kv)
     assert not kv.allocate_slots(child, 1)
     assert snapshot(kv) == before and kv.take_copies() == []
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """Replicas compare the prefixes they hold by block hash: a key made in another process
+    (another address of None, another PYTHONHASHSEED) is the same key."""
+    import subprocess
+    import sys
+
+    from tokenmill.engine.kv_cache import chain_block_keys
+
+    tokens = list(range(40, 90))
+    here = [key[0].hex() for key in chain_block_keys(None, tokens, 16, 0, 3)]
+    code = ("from tokenmill.engine.kv_cache import chain_block_keys; "
+            f"print(' '.join(k[0].hex() for k in chain_block_keys(None, {tokens}, 16, 0, 3)))")
+    for seed in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.split()
+        assert out == here
+    assert len(set(here)) == 3
+    # chained: the same block after another prefix is another key
+    assert chain_block_keys(None, [1] + tokens[1:], 16, 0, 3)[2][0].hex() != here[2]
