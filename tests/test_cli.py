@@ -89,6 +89,8 @@ def test_serve_refuses_a_bad_tenants_file_before_loading_the_model(tmp_path, ten
 @pytest.mark.parametrize("argv, message", [
     (["--api-key", "k", "--tenants", "t.json"], "--api-key and --tenants: give one"),
     (["--admin-key", "k"], "need --tenants FILE"),
+    (["--tenants", "t.json", "--admin-key", " "], "--admin-key: must not be empty"),
+    (["--tenants", "t.json", "--admin-key", "k"], "--admin-key: is also a tenant's API key"),
     (["--api-key", "k", "--limits-store", "http://x"], "--limits-store: expected redis://HOST:PORT"),
 ])
 def test_serve_refuses_tenant_flags_that_do_not_go_together(argv, message, capsys, tmp_path):

@@ -53,3 +53,42 @@ def test_non_streamed_disconnect_is_aborted_quietly(server, caplog, path, body):
     kv = server.engine.engine.kv_cache
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_stream_that_never_started_still_releases_its_tenant_grant():
+    """A client gone before its streamed answer began (the first send fails): Starlette never
+    iterates the body, so only the response itself can close it and release the grant, once."""
+    import asyncio
+
+    from tokenmill.server.api import ReleasedStream
+
+    events: list[str] = []
+
+    async def chunks():
+        events.append("started")
+        try:
+            yield "data: x\n\n"
+        finally:
+            events.append("closed")
+
+    async def receive():
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def gone(message):
+        raise OSError("the client has gone")
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    with pytest.raises(Exception):
+        asyncio.run(ReleasedStream(chunks(), lambda: events.append("released"))(scope, receive, gone))
+    assert events == ["released"]  # never started, released once
+
+    events.clear()
+    asyncio.run(ReleasedStream(chunks(), lambda: events.append("released"))(scope, receive, send))
+    assert events == ["started", "closed", "released"]
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}

@@ -46,6 +46,8 @@ def test_replicas_share_limits_and_fail_closed_or_open_when_redis_is_lost(tmp_pa
         assert lost.status_code == 503 and lost.json()["error"]["code"] == "limits_unavailable"
         assert lost.headers["Retry-After"] == "1"
         assert post(open_.url).status_code == 200  # admitted, uncounted
+        usage = httpx.get(f"{a.url}/v1/usage", headers={"Authorization": "Bearer sk-acme"})
+        assert usage.status_code == 503 and usage.json()["error"]["code"] == "limits_unavailable"
         assert httpx.get(f"{a.url}/health").status_code == 200  # the engine is fine
 
         redis_url.start()  # back, empty (no persistence in this test): counting starts again

@@ -80,6 +80,9 @@ def test_quota_is_charged_what_was_used_and_refuses_what_would_overrun_it(srv):
     after = usage(srv, "sk-metered")
     assert after["total_tokens"] == used and after["requests"] == 1
     assert after["quota_remaining"] == 60 - used and after["in_flight"] == 0 and after["reserved_tokens"] == 0
+    # more than the whole quota: it can never run (a 400, not a 429 to retry at the period's end)
+    r = post(srv, "sk-metered", max_tokens=61)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     # prompt + max_tokens would pass what is left: refused before anything runs
     r = post(srv, "sk-metered", max_tokens=60 - used)
     assert r.status_code == 429

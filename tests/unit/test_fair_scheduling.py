@@ -376,3 +376,20 @@ def test_fair_changes_the_order_never_the_tokens(checkpoints):
         orders[policy] = sorted(range(len(outs)), key=lambda i: outs[i].metrics.finished_time)
     assert orders["fair"] != orders["fcfs"]
     assert results["fair"] == results["fcfs"]
+
+
+def test_a_tenant_is_lifted_to_the_tenants_of_its_own_lane():
+    """The counter lift compares a tenant with those it competes with: the backlogged tenants
+    of its lane, not a lower counter waiting in another lane."""
+    from tokenmill.engine.request_queue import FairQueue
+
+    queue = FairQueue()
+    queue.counters.update({"low-lane": 1000.0, "high-lane": 50.0})
+
+    def request(rid: str, tenant: str, priority: int) -> Request:
+        return Request(rid, [1, 2, 3], SamplingParams(max_tokens=4), priority=priority, tenant=tenant)
+
+    queue.add(request("a", "high-lane", 0))
+    queue.add(request("b", "low-lane", 10))
+    queue.add(request("c", "newcomer", 10))
+    assert queue.counters["newcomer"] == 1000.0

@@ -114,3 +114,10 @@ def test_api_key_alone_is_one_tenant_without_limits():
     (t,) = tenants.tenants
     assert tenants.authenticate("sk-1") is t and t.name == "default"
     assert (t.requests_per_minute, t.tokens_per_minute, t.max_concurrent_requests, t.token_quota) == (None,) * 4
+
+
+def test_a_malformed_yaml_file_does_not_echo_its_keys(tmp_path):
+    path = write(tmp_path, "tenants:\n  - name: a\n    api_keys: [sk-live-SECRET, \n", "t.yaml")
+    with pytest.raises(TenantsFileError) as e:
+        load_tenants(path)
+    assert "SECRET" not in str(e.value) and "line" in str(e.value)

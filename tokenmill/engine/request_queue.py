@@ -150,7 +150,8 @@ class FairQueue(RequestQueue):
 
     Counter lift (the paper's Algorithm 2): a tenant that becomes backlogged (gets a waiting
     request while it has none waiting) has its counter raised to the smallest counter of the
-    other backlogged tenants, or if none is backlogged to the counter of the tenant that last
+    other tenants backlogged in the same lane (those it competes with), or if there are none to
+    the counter of the tenant that last
     left the queue (by admission). So a tenant that was idle, or running without asking for
     more, cannot bank that time and catch up later: between two backlogged tenants, weighted
     service differs by at most about 2 * max(prompt_token_weight * longest prompt,
@@ -174,7 +175,7 @@ class FairQueue(RequestQueue):
     def add(self, request: Request) -> None:
         tenant = _tenant(request)
         if not self._num_waiting.get(tenant):
-            self._lift(tenant)
+            self._lift(tenant, request.priority)
         self._line(request, tenant).append(request)
         self._count(tenant, 1)
 
@@ -227,9 +228,10 @@ class FairQueue(RequestQueue):
         tenant = _tenant(request)
         self.counters[tenant] = self.counters.get(tenant, 0.0) + service / request.tenant_weight
 
-    def _lift(self, tenant: str) -> None:
+    def _lift(self, tenant: str, lane: int) -> None:
         counter = self.counters.get(tenant, 0.0)
-        backlogged = [self.counters[t] for t, n in self._num_waiting.items() if n and t != tenant]
+        # the tenants it competes with: those waiting in its lane
+        backlogged = [self.counters[t] for t in self._lanes.get(lane, {}) if t != tenant]
         if backlogged:
             counter = max(counter, min(backlogged))
         elif self._last_left is not None:

@@ -14,7 +14,6 @@ Every error, including FastAPI's own validation errors, is answered as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -86,13 +85,25 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
                        whole: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
         """Runs an answer under its tenant's limits: admitted (or 429) before anything is queued,
         released with the tokens it used when it ends, however it ends."""
-        grant = tenancy.admit(request.state.tenant, rid, choices, n)
+        grant = await off_loop(tenancy.admit, request.state.tenant, rid, choices, n)
+
+        def release() -> None:
+            if tenancy.blocking:  # a network store: on a thread, never holding up the event loop
+                asyncio.get_running_loop().run_in_executor(None, tenancy.release, grant, choices, n)
+            else:
+                tenancy.release(grant, choices, n)
+
         if stream is not None:
-            return _sse(_released(stream(), lambda: tenancy.release(grant, choices)))
+            return ReleasedStream(stream(), release)
         try:
             return JSONResponse(await _unless_disconnected(request, whole()))
         finally:
-            tenancy.release(grant, choices)
+            release()
+
+    async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+        """Calls into the limits store: on a thread when it goes over the network (Redis), so a
+        slow or lost Redis delays only the requests that wait on it."""
+        return await asyncio.to_thread(fn, *args) if tenancy.blocking else fn(*args)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)], responses=_ERRORS)
 
@@ -107,8 +118,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
         origin = tenancy.origin(request.state.tenant, body.priority, completion_serving.model_name(body.model))
         rid, choices = completion_serving.prepare_completion(body, origin)
         await completion_serving.compile_grammar(body, choices)
-        return await admitted(request, rid, choices, body.n,
-                              (lambda: completion_serving.completion_stream(body, rid, choices)) if body.stream else None,
+        stream = (lambda: completion_serving.completion_stream(body, rid, choices)) if body.stream else None
+        return await admitted(request, rid, choices, body.n, stream,
                               lambda: completion_serving.completion(body, rid, choices))
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMED)
@@ -126,7 +137,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
     async def usage(request: Request) -> dict[str, Any]:
         """The caller's tenant's usage in its quota period and what is left; every tenant's
         with the admin key."""
-        return tenancy.usage(request.headers.get("authorization", ""))
+        return await off_loop(tenancy.usage, request.headers.get("authorization", ""))
 
     @app.get("/health")
     async def health() -> Response:
@@ -170,20 +181,25 @@ class AccessLog:
                                scope.get("http_version", "1.1"), status or 499, (time.perf_counter() - start) * 1e3)
 
 
-async def _released(chunks: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
-    """The chunks of a streamed answer; `release` runs once the stream has ended (its engine
-    requests finished or aborted), however it ends."""
-    try:
-        async with contextlib.aclosing(chunks) as stream:  # type: ignore[type-var]
-            async for chunk in stream:
-                yield chunk
-    finally:
-        release()
+class ReleasedStream(StreamingResponse):
+    """A streamed answer (SSE) that, when the response ends however it ends (finished, the
+    client gone, cancelled before its body ever started), closes its body (which aborts its
+    engine requests) and then calls `release` (the tenant's grant: idempotent). Starlette
+    itself neither closes a body it stopped iterating nor runs one it never started."""
 
+    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._chunks, self._release = chunks, release
 
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._chunks.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._release()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -125,8 +125,9 @@ class _Bucket:
     updated: float
 
     def refill(self, now: float) -> float:
-        self.level = min(self.capacity, self.level + max(0.0, now - self.updated) * self.capacity / 60)
-        self.updated = now
+        if now > self.updated:  # a clock stepped back refills nothing until it catches up
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.capacity / 60)
+            self.updated = now
         return self.level
 
 

@@ -128,6 +128,8 @@ class RedisLimitStore:
     dropped (its replica is taken to have died). Redis down: LimitStoreUnavailable, in about
     a second (short timeouts, one retry), so the server answers 503 rather than hanging."""
 
+    blocking = True  # calls go over the network: the server makes them on a thread
+
     def __init__(self, url: str, key_prefix: str = "tokenmill:limits:", request_ttl: float = 3600.0,
                  timeout: float = 0.5) -> None:
         try:
@@ -152,8 +154,12 @@ class RedisLimitStore:
             raise ValueError(f"--limits-store {self.url}: not a Redis URL (redis://HOST:PORT): {e}") from e
         except self._errors as e:
             raise ValueError(f"--limits-store {self.url}: cannot reach Redis: {e}") from e
-        # release-script calls Redis may not have run; bounded: past it, request_ttl clears them
-        self._unconfirmed: deque[tuple[list[str], list[Any]]] = deque(maxlen=10_000)
+        # release-script calls Redis may not have run, replayed at the next call that reaches it:
+        # releases (usage to count) apart from cancelled admissions, so that clients retrying
+        # admissions through an outage never push a release out; bounded, past it request_ttl
+        # clears what is lost
+        self._releases: deque[tuple[list[str], list[Any]]] = deque(maxlen=1_000_000)
+        self._cancels: deque[tuple[list[str], list[Any]]] = deque(maxlen=10_000)
         self._replay_lock = threading.Lock()
         self._admit = self._redis.register_script(_ADMIT)
         self._release = self._redis.register_script(_RELEASE)
@@ -167,7 +173,7 @@ class RedisLimitStore:
         try:
             reply = self._call(self._admit, keys, [request_id, tokens, repr(now), repr(self.request_ttl), *limits])
         except LimitStoreUnavailable:
-            self._unconfirmed.append((keys, [request_id, 0, 0, repr(now), _arg(tenant.tokens_per_minute), 0]))
+            self._cancels.append((keys, [request_id, 0, 0, repr(now), _arg(tenant.tokens_per_minute), 0]))
             raise
         if reply[0] == "ok":
             return None
@@ -186,7 +192,7 @@ class RedisLimitStore:
         try:
             self._call(self._release, keys, args)
         except LimitStoreUnavailable:
-            self._unconfirmed.append((keys, args))
+            self._releases.append((keys, args))
             raise
 
     def usage(self, tenant: Tenant, now: float) -> Usage:
@@ -204,7 +210,7 @@ class RedisLimitStore:
 
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         try:
-            if self._unconfirmed:
+            if self._releases or self._cancels:
                 self._replay()
             return script(keys=keys, args=args)
         except self._errors as e:
@@ -213,15 +219,18 @@ class RedisLimitStore:
             raise LimitStoreUnavailable(f"the limits store {self.url} is unavailable: "
                                         f"{type(e).__name__}: {e}") from e
 
-    def _replay(self) -> None:
-        """Sends again the releases and cancellations Redis may have missed, oldest first."""
+    def _replay(self, batch: int = 256) -> None:
+        """Sends again up to `batch` releases, then cancellations, that Redis may have missed,
+        oldest first (the rest at the next calls)."""
         if not self._replay_lock.acquire(blocking=False):
             return  # another thread replays: this one does not queue behind its timeouts
         try:
-            while self._unconfirmed:
-                keys, args = self._unconfirmed[0]
-                self._release(keys=keys, args=args)  # raises, keeping it, while Redis is still away
-                self._unconfirmed.popleft()
+            for queue in (self._releases, self._cancels):
+                while queue and batch > 0:
+                    keys, args = queue[0]
+                    self._release(keys=keys, args=args)  # raises, keeping it, while Redis is still away
+                    queue.popleft()
+                    batch -= 1
         finally:
             self._replay_lock.release()
 

@@ -30,17 +30,12 @@ class Origin:
 
 @dataclass(slots=True)
 class Meter:
-    """The tokens one answer has cost so far, over all its prompts and sequences: what its
-    tenant is charged. A prompt counts once its prefill is done (its first token)."""
+    """The tokens one answer has generated so far, over all its prompts and the sequences it
+    returns: what its tenant is charged for completion (server/tenancy.py)."""
 
-    prompt_tokens: int = 0
     completion_tokens: int = 0
-    _prefilled: set[str] = field(default_factory=set)
 
-    def add(self, request: Request, out: RequestOutput) -> None:
-        if out.new_token_ids and request.request_id not in self._prefilled:
-            self._prefilled.add(request.request_id)
-            self.prompt_tokens += len(out.prompt_token_ids)
+    def add(self, out: RequestOutput) -> None:
         self.completion_tokens += len(out.new_token_ids)
 
 
@@ -146,14 +141,14 @@ class OpenAIServing:
             c = requests[0]
             async with contextlib.aclosing(self.engine.generate(c.request, c.prompt_text)) as gen:
                 async for out in gen:
-                    c.meter.add(c.request, out)
+                    c.meter.add(out)
                     yield c.index + out.outputs[0].index, out
             return
         merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
             async for out in self.engine.generate(c.request, c.prompt_text):
-                c.meter.add(c.request, out)
+                c.meter.add(out)
                 merged.put_nowait((c.index + out.outputs[0].index, out))
 
         tasks = [asyncio.ensure_future(pump(c)) for c in requests]

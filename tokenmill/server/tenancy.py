@@ -40,6 +40,11 @@ class Tenancy:
     def enabled(self) -> bool:
         return self.limits is not None
 
+    @property
+    def blocking(self) -> bool:
+        """Its store's calls go over the network (Redis): the server makes them off the event loop."""
+        return self.limits is not None and getattr(self.limits.store, "blocking", False)
+
     def authenticate(self, authorization: str) -> Tenant | None:
         """The tenant of an `Authorization: Bearer KEY` header; raises 401 when tenants are
         configured and the key is missing or unknown."""
@@ -54,7 +59,7 @@ class Tenancy:
 
     def is_admin(self, authorization: str) -> bool:
         scheme, _, key = authorization.partition(" ")
-        return (self.admin_key is not None and scheme.lower() == "bearer"
+        return (bool(self.admin_key) and scheme.lower() == "bearer"
                 and secrets.compare_digest(key.strip().encode(), self.admin_key.encode()))
 
     def origin(self, tenant: Tenant | None, priority: int | None, model: str) -> Origin:
@@ -77,6 +82,10 @@ class Tenancy:
         if tenant is None or self.limits is None:
             return None
         tokens = reserved_tokens(choices, n)
+        if tenant.token_quota is not None and tokens > tenant.token_quota:
+            raise APIError(400, f"max_tokens: the prompt and max_tokens reserve {tokens} tokens, more than tenant "
+                           f"{tenant.name!r}'s whole token_quota ({tenant.token_quota}); lower max_tokens",
+                           param="max_tokens")
         if tenant.tokens_per_minute is not None and tokens > tenant.tokens_per_minute:
             raise APIError(400, f"max_tokens: the prompt and max_tokens reserve {tokens} tokens, more than tenant "
                            f"{tenant.name!r}'s tokens_per_minute ({tenant.tokens_per_minute}); lower max_tokens",
@@ -95,19 +104,30 @@ class Tenancy:
             raise APIError(503, "the limits store is unavailable; retry later", type="server_error",
                            code="limits_unavailable", headers={"Retry-After": "1"}) from e
 
-    def release(self, grant: Grant | None, choices: Sequence[Choice]) -> None:
+    def release(self, grant: Grant | None, choices: Sequence[Choice], n: int) -> None:
+        """Charges what the answer used: every prompt (submitted prompts are charged, finished
+        or not, as OpenAI charges them), and the tokens generated. A best_of answer returns only
+        the n best of its sequences, so it is charged what it reserved for all of them."""
         if grant is None or self.limits is None or not choices:
             return
-        meter = choices[0].meter
-        self.limits.release(grant, meter.prompt_tokens, meter.completion_tokens)
+        requests = [c.request for c in choices[::n]]
+        prompt = sum(r.num_prompt_tokens for r in requests)
+        completion = choices[0].meter.completion_tokens
+        if any(r.ranked_by_logprob for r in requests):
+            completion = max(completion, sum(r.sampling_params.num_sequences * r.max_tokens for r in requests))
+        self.limits.release(grant, prompt, completion)
 
     def usage(self, authorization: str) -> dict[str, Any]:
         """GET /v1/usage: the caller's own usage and what is left, or every tenant's for the admin key."""
         if self.limits is None:
             raise APIError(404, "no tenants are configured (--tenants or --api-key)", code="not_found")
-        if self.is_admin(authorization):
-            return {"object": "list", "data": [self._usage(t) for t in self.limits.tenants.tenants]}
-        return self._usage(self.authenticate(authorization))
+        try:
+            if self.is_admin(authorization):
+                return {"object": "list", "data": [self._usage(t) for t in self.limits.tenants.tenants]}
+            return self._usage(self.authenticate(authorization))
+        except LimitStoreUnavailable as e:
+            raise APIError(503, "the limits store is unavailable; retry later", type="server_error",
+                           code="limits_unavailable", headers={"Retry-After": "1"}) from e
 
     def _usage(self, tenant: Tenant) -> dict[str, Any]:
         assert self.limits is not None
@@ -145,11 +165,15 @@ def make_tenancy(metrics: ServerMetrics, tenants_file: str | None = None, api_ke
     if tenants_file is not None and api_key is not None:
         raise ValueError("--api-key and --tenants: give one (--api-key KEY is one tenant with no limits; put the "
                          "key in the tenants file instead)")
+    if admin_key is not None and not admin_key.strip():
+        raise ValueError("--admin-key: must not be empty (an empty key would make every caller an admin)")
     if tenants_file is None and api_key is None:
         if limits_store is not None or limits_db is not None or admin_key is not None:
             raise ValueError("--limits-store, --limits-db and --admin-key need --tenants FILE (or --api-key)")
         return Tenancy(None, metrics)
     tenants = load_tenants(tenants_file) if tenants_file is not None else Tenants.single_key(api_key or "")
+    if admin_key is not None and tenants.authenticate(admin_key) is not None:
+        raise ValueError("--admin-key: is also a tenant's API key; give the admin its own key")
     if limits_store is not None:
         if not limits_store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--limits-store: expected redis://HOST:PORT, got {limits_store!r}")

@@ -131,7 +131,12 @@ def read_tenants_file(path: str | Path) -> Any:
             return yaml.safe_load(text)
         return json.loads(text)
     except Exception as e:  # noqa: BLE001 - json and yaml raise their own types
-        raise TenantsFileError(source, f"is not valid {'YAML' if is_yaml else 'JSON'}: {e}") from e
+        # where, not what: the parsers quote the offending line, which may hold a key
+        mark = getattr(e, "problem_mark", None)
+        line, column = (mark.line + 1, mark.column + 1) if mark is not None else (getattr(e, "lineno", "?"),
+                                                                                  getattr(e, "colno", "?"))
+        raise TenantsFileError(source, f"is not valid {'YAML' if is_yaml else 'JSON'} (line {line}, column "
+                               f"{column})") from None
 
 
 def parse_tenants(data: Any, source: str = "<tenants>") -> Tenants:
