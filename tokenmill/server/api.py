@@ -32,10 +32,9 @@ from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatComp
                                        CompletionResponse, ErrorResponse, ModelList)
 from tokenmill.server.chat import ChatServing
 from tokenmill.server.completions import CompletionServing
-from tokenmill.server.limits import Limits, LocalLimitStore
 from tokenmill.server.serving import Choice
-from tokenmill.server.tenancy import Tenancy
-from tokenmill.server.tenants import Tenant, Tenants
+from tokenmill.server.tenancy import Tenancy, make_tenancy
+from tokenmill.server.tenants import Tenant
 
 logger = logging.getLogger("tokenmill.server")
 access_logger = logging.getLogger("tokenmill.access")
@@ -55,8 +54,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
     `api_key` alone is one tenant with no limits; `tenancy` brings tenants and their limits.
     `access_log`: a line per HTTP request naming its tenant (never its key)."""
     if tenancy is None:
-        limits = None if api_key is None else Limits(Tenants.single_key(api_key), LocalLimitStore())
-        tenancy = Tenancy(limits, metrics)
+        tenancy = make_tenancy(metrics, api_key=api_key)
     completion_serving = CompletionServing(engine, served_model_names)
     chat_serving = ChatServing(engine, served_model_names)
     started = int(time.time())
@@ -127,9 +125,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: Serve
         origin = tenancy.origin(request.state.tenant, body.priority, chat_serving.model_name(body.model))
         rid, choices = chat_serving.prepare_chat(body, origin)
         await chat_serving.compile_grammar(body, choices)
-        return await admitted(request, rid, choices, body.n,
-                              (lambda: chat_serving.chat_stream(body, rid, choices)) if body.stream else None,
-                              lambda: chat_serving.chat(body, rid, choices))
+        stream = (lambda: chat_serving.chat_stream(body, rid, choices)) if body.stream else None
+        return await admitted(request, rid, choices, body.n, stream, lambda: chat_serving.chat(body, rid, choices))
 
     app.include_router(v1)
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from tokenmill.server.limits import Grant, LimitExceeded, Limits, LimitStoreUnavailable, Usage
+from tokenmill.server.limits import Grant, LimitExceeded, Limits, LimitStoreUnavailable, LocalLimitStore, Usage
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import APIError
 from tokenmill.server.serving import Choice, Origin
-from tokenmill.server.tenants import Tenant
+from tokenmill.server.tenants import Tenant, Tenants, load_tenants
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -37,10 +39,6 @@ class Tenancy:
         self.admin_key = admin_key
 
     @property
-    def enabled(self) -> bool:
-        return self.limits is not None
-
-    @property
     def blocking(self) -> bool:
         """Its store's calls go over the network (Redis): the server makes them off the event loop."""
         return self.limits is not None and getattr(self.limits.store, "blocking", False)
@@ -50,17 +48,17 @@ class Tenancy:
         configured and the key is missing or unknown."""
         if self.limits is None:
             return None
-        scheme, _, key = authorization.partition(" ")
-        tenant = self.limits.tenants.authenticate(key.strip()) if scheme.lower() == "bearer" and key else None
+        key = _bearer_key(authorization)
+        tenant = self.limits.tenants.authenticate(key) if key else None
         if tenant is None:
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
         return tenant
 
     def is_admin(self, authorization: str) -> bool:
-        scheme, _, key = authorization.partition(" ")
-        return (bool(self.admin_key) and scheme.lower() == "bearer"
-                and secrets.compare_digest(key.strip().encode(), self.admin_key.encode()))
+        key = _bearer_key(authorization)
+        return bool(self.admin_key) and key is not None and secrets.compare_digest(key.encode(),
+                                                                                  self.admin_key.encode())
 
     def origin(self, tenant: Tenant | None, priority: int | None, model: str) -> Origin:
         """The engine's view of the request: its tenant, weight and priority lane. A request may
@@ -82,14 +80,11 @@ class Tenancy:
         if tenant is None or self.limits is None:
             return None
         tokens = reserved_tokens(choices, n)
-        if tenant.token_quota is not None and tokens > tenant.token_quota:
-            raise APIError(400, f"max_tokens: the prompt and max_tokens reserve {tokens} tokens, more than tenant "
-                           f"{tenant.name!r}'s whole token_quota ({tenant.token_quota}); lower max_tokens",
-                           param="max_tokens")
-        if tenant.tokens_per_minute is not None and tokens > tenant.tokens_per_minute:
-            raise APIError(400, f"max_tokens: the prompt and max_tokens reserve {tokens} tokens, more than tenant "
-                           f"{tenant.name!r}'s tokens_per_minute ({tenant.tokens_per_minute}); lower max_tokens",
-                           param="max_tokens")
+        # a reservation that can never fit is bad input, not a limit to wait for
+        for name, limit in (("whole token_quota", tenant.token_quota), ("tokens_per_minute", tenant.tokens_per_minute)):
+            if limit is not None and tokens > limit:
+                raise APIError(400, f"max_tokens: the prompt and max_tokens reserve {tokens} tokens, more than "
+                               f"tenant {tenant.name!r}'s {name} ({limit}); lower max_tokens", param="max_tokens")
         try:
             return self.limits.admit(tenant, request_id, tokens)
         except LimitExceeded as e:
@@ -101,8 +96,7 @@ class Tenancy:
                            headers={"Retry-After": str(max(1, math.ceil(refusal.retry_after)))}) from e
         except LimitStoreUnavailable as e:
             logger.warning("limits store unavailable, refusing a request of tenant %s: %s", tenant.name, e)
-            raise APIError(503, "the limits store is unavailable; retry later", type="server_error",
-                           code="limits_unavailable", headers={"Retry-After": "1"}) from e
+            raise _store_unavailable() from e
 
     def release(self, grant: Grant | None, choices: Sequence[Choice], n: int) -> None:
         """Charges what the answer used: every prompt (submitted prompts are charged, finished
@@ -113,8 +107,8 @@ class Tenancy:
         requests = [c.request for c in choices[::n]]
         prompt = sum(r.num_prompt_tokens for r in requests)
         completion = choices[0].meter.completion_tokens
-        if any(r.ranked_by_logprob for r in requests):
-            completion = max(completion, sum(r.sampling_params.num_sequences * r.max_tokens for r in requests))
+        if any(r.ranked_by_logprob for r in requests):  # the reservation's completion part
+            completion = max(completion, grant.reserved_tokens - prompt)
         self.limits.release(grant, prompt, completion)
 
     def usage(self, authorization: str) -> dict[str, Any]:
@@ -126,8 +120,7 @@ class Tenancy:
                 return {"object": "list", "data": [self._usage(t) for t in self.limits.tenants.tenants]}
             return self._usage(self.authenticate(authorization))
         except LimitStoreUnavailable as e:
-            raise APIError(503, "the limits store is unavailable; retry later", type="server_error",
-                           code="limits_unavailable", headers={"Retry-After": "1"}) from e
+            raise _store_unavailable() from e
 
     def _usage(self, tenant: Tenant) -> dict[str, Any]:
         assert self.limits is not None
@@ -145,6 +138,17 @@ class Tenancy:
                 "priority": tenant.priority, "weight": tenant.weight}
 
 
+def _bearer_key(authorization: str) -> str | None:
+    """The KEY of an `Authorization: Bearer KEY` header, or None."""
+    scheme, _, key = authorization.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+def _store_unavailable() -> APIError:
+    return APIError(503, "the limits store is unavailable; retry later", type="server_error",
+                    code="limits_unavailable", headers={"Retry-After": "1"})
+
+
 def reserved_tokens(choices: Sequence[Choice], n: int) -> int:
     """Prompt plus max_tokens for each sequence, over the request's prompts (one engine request
     per prompt; its n or best_of sequences share the prompt)."""
@@ -159,9 +163,6 @@ def make_tenancy(metrics: ServerMetrics, tenants_file: str | None = None, api_ke
                  admin_key: str | None = None, limits_db: str | None = None, limits_store: str | None = None,
                  fail_open: bool = False) -> Tenancy:
     """`tokenmill serve`'s flags as a Tenancy; raises ValueError naming the flag."""
-    from tokenmill.server.limits import LocalLimitStore
-    from tokenmill.server.tenants import Tenants, load_tenants
-
     if tenants_file is not None and api_key is not None:
         raise ValueError("--api-key and --tenants: give one (--api-key KEY is one tenant with no limits; put the "
                          "key in the tenants file instead)")
@@ -188,8 +189,5 @@ def make_tenancy(metrics: ServerMetrics, tenants_file: str | None = None, api_ke
 
 
 def default_limits_db() -> str:
-    import os
-    from pathlib import Path
-
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return str(Path(state) / "tokenmill" / "limits.db")
