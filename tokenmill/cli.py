@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="share limits and quotas between replicas through Redis (pip install 'tokenmill[redis]')")
     srv.add_argument("--limits-fail-open", action="store_true",
                      help="when the limits store is unreachable, admit requests uncounted (default: 503)")
+    srv.add_argument("--restart-engine", action="store_true",
+                     help="when the engine-core process dies, start a new one (its requests fail; default: "
+                          "answer 503 until the server is restarted)")
+    srv.add_argument("--engine-in-thread", action="store_true",
+                     help="run the engine on a thread of the server process instead of a process of its own "
+                          "(the HTTP loop then shares its GIL)")
     add_engine_args(srv)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
@@ -260,7 +266,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
                  served_model_name=args.served_model_name, tenancy=tenancy,
                  max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
-                 log_level=args.log_level.lower(), access_log=not args.disable_access_log)
+                 log_level=args.log_level.lower(), access_log=not args.disable_access_log,
+                 engine_process=not args.engine_in_thread, restart_engine=args.restart_engine)
 
 
 def _json_object(flag: str, value: str | None, expected: str) -> dict | None:

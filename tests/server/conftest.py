@@ -1,24 +1,49 @@
-"""A real tokenmill server on a free loopback port, in a thread of the test process
-(so tests can also check the engine's KV cache), serving the built-in model."""
+"""A real tokenmill server on a free loopback port, in a thread of the test process, serving
+the built-in model. Its engine runs on a thread (tests can check its KV cache) or, with
+engine_process=True, in a process of its own as under `tokenmill serve` (checking the KV
+cache's integrity after every step)."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx2 as httpx
 import pytest
 import uvicorn
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import AsyncEngine, EngineClient
+from tokenmill.engine.core_client import EngineCoreClient
 from tokenmill.server.api import build_app
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.tenancy import make_tenancy
 
 MODEL_NAME = "tiny"
+
+
+def launch_serve(log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`tokenmill serve FLAGS` on a free port as a process of its own, logging to `log_path`;
+    returns it and its URL once /health answers."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *flags],
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, log_path.read_text()
+        time.sleep(0.2)
 
 
 def free_port() -> int:
@@ -30,7 +55,7 @@ def free_port() -> int:
 @dataclass
 class RunningServer:
     url: str
-    engine: AsyncEngine
+    engine: EngineClient
     server: uvicorn.Server
     thread: threading.Thread
 
@@ -52,10 +77,16 @@ class RunningServer:
         while time.time() < deadline:
             m = self.metrics()
             if (m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
-                    and not self.engine.engine.has_unfinished_requests()):
+                    and self.idle()):
                 return self.metrics()
             time.sleep(0.05)
         raise TimeoutError("the engine did not go idle")
+
+    def idle(self) -> bool:
+        if isinstance(self.engine, AsyncEngine):
+            return not self.engine.engine.has_unfinished_requests()
+        stats = self.engine.stats  # as of the core's last step
+        return self.engine.num_waiting == 0 and stats.get("num_running", 0) == 0
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -63,14 +94,20 @@ class RunningServer:
 
 
 def start_server(api_key: str | None = None, max_waiting_requests: int = 1024, tenancy: dict | None = None,
-                 access_log: bool = False, **engine_args) -> RunningServer:
+                 access_log: bool = False, engine_process: bool = False, restart_engine: bool = False,
+                 **engine_args) -> RunningServer:
     """`tenancy`: make_tenancy's arguments (tenants_file, admin_key, limits_db, limits_store, ...)."""
     # float32: a CPU with bfloat16 would pick it, and tests compare with float32 references
     engine_args = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_num_seqs": 64, "dtype": "float32",
                    **engine_args}
     metrics = ServerMetrics(MODEL_NAME)
     tenants = None if tenancy is None else make_tenancy(metrics, **tenancy)
-    engine = AsyncEngine(EngineConfig(**engine_args), max_waiting_requests=max_waiting_requests, observer=metrics)
+    config = EngineConfig(**engine_args)
+    if engine_process:
+        engine: EngineClient = EngineCoreClient(config, max_waiting_requests=max_waiting_requests, observer=metrics,
+                                                restart=restart_engine, check_integrity=True)
+    else:
+        engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics)
     app = build_app(engine, [MODEL_NAME], metrics, api_key=api_key, tenancy=tenants, access_log=access_log)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

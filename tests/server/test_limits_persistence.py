@@ -6,35 +6,20 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
-import time
 
 import httpx2 as httpx
 
-from tests.server.conftest import free_port
+from tests.server.conftest import launch_serve
 
 TENANTS = {"tenants": [{"name": "acme", "api_keys": ["sk-acme"], "token_quota": 100000, "quota_period": "month"}]}
 AUTH = {"Authorization": "Bearer sk-acme"}
 
 
 def launch(tmp_path, name: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(tmp_path / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
-                             "--max-model-len", "512", "--kv-cache-memory", "16MiB", "--dtype", "float32",
-                             "--served-model-name", "m", "--tenants", str(tmp_path / "tenants.json"),
-                             "--limits-db", str(tmp_path / "limits.db")], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, (tmp_path / f"{name}.log").read_text()
-        time.sleep(0.2)
+    return launch_serve(tmp_path / f"{name}.log", "--max-model-len", "512", "--kv-cache-memory", "16MiB", "--dtype",
+                        "float32", "--served-model-name", "m", "--tenants", str(tmp_path / "tenants.json"),
+                        "--limits-db", str(tmp_path / "limits.db"))
 
 
 def complete(url: str, max_tokens: int) -> int:

@@ -4,34 +4,17 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import httpx2 as httpx
 
-from tests.server.conftest import free_port
+from tests.server.conftest import launch_serve
 
 
 def test_sigterm_during_streaming_is_graceful(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
-                             "--max-model-len", "512", "--kv-cache-memory", "16MiB", "--served-model-name", "m",
-                             "--shutdown-timeout", "60", "--disable-access-log"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = launch_serve(tmp_path / "server.log", "--max-model-len", "512", "--kv-cache-memory", "16MiB",
+                             "--served-model-name", "m", "--shutdown-timeout", "60", "--disable-access-log")
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.2)
-
         results: dict[int, tuple[int, bool]] = {}
         started = threading.Barrier(5)
 
@@ -66,4 +49,3 @@ def test_sigterm_during_streaming_is_graceful(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        log.close()

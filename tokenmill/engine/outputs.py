@@ -3,10 +3,12 @@ out) and the RequestOutput snapshots it builds from them."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, TokenLogprobs
+from tokenmill.engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus,
+                                      TokenLogprobs)
 
 
 def _logprob_dict(entry: TokenLogprobs) -> dict[int, float]:
@@ -78,3 +80,10 @@ def snapshot(tracked: Tracked, seqs: list[Seq], new_text: str, new_ids: list[int
     return RequestOutput(r.request_id, tracked.prompt, r.prompt_token_ids, completions, finished,
                          metrics, tracked.error or r.error, new_ids, new_text, new_logprobs,
                          tracked.prompt_logprobs, r.tenant)
+
+
+def failed_output(request: Request, message: str) -> RequestOutput:
+    """The final output of a request that ends with an error before any engine took it."""
+    request.status, request.error, request.finish_time = RequestStatus.FINISHED_ERROR, message, time.time()
+    tracked = Tracked(request, None, [Seq(request, None)])
+    return snapshot(tracked, tracked.seqs, "", [], finished=True)

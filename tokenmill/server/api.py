@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import EngineClient
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, ErrorResponse, ModelList)
@@ -48,9 +48,9 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
-def build_app(engine: AsyncEngine, served_model_names: list[str], metrics: ServerMetrics,
+def build_app(engine: EngineClient, served_model_names: list[str], metrics: ServerMetrics,
               api_key: str | None = None, tenancy: Tenancy | None = None, access_log: bool = False) -> FastAPI:
-    """The app; starting it (lifespan) starts the engine thread, stopping it stops the thread.
+    """The app; starting it (lifespan) starts the engine client, stopping it stops the engine.
     `api_key` alone is one tenant with no limits; `tenancy` brings tenants and their limits.
     `access_log`: a line per HTTP request naming its tenant (never its key)."""
     if tenancy is None:

@@ -10,7 +10,8 @@ from typing import Any
 import uvicorn
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import AsyncEngine, EngineClient
+from tokenmill.engine.core_client import EngineCoreClient
 from tokenmill.server.api import build_app
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.tenancy import Tenancy, make_tenancy
@@ -30,16 +31,23 @@ class _Server(uvicorn.Server):
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           api_key: str | None = None, max_waiting_requests: int = 1024, shutdown_timeout: float = 30.0,
-          log_level: str = "info", access_log: bool = True, tenancy: dict[str, Any] | None = None) -> int:
+          log_level: str = "info", access_log: bool = True, tenancy: dict[str, Any] | None = None,
+          engine_process: bool = True, restart_engine: bool = False) -> int:
     """Serves until stopped. SIGTERM: stop accepting, let in-flight requests finish (at most
     `shutdown_timeout` seconds), exit 0. `tenancy`: make_tenancy's arguments (tenants, keys,
-    limits store), checked before the model loads."""
+    limits store), checked before the model loads. `engine_process`: the engine core runs in a
+    process of its own (else on a thread of this one); `restart_engine`: one that dies is
+    replaced."""
     name = served_model_name or config.model or "tokenmill-default"
     metrics = ServerMetrics(name)
     tenants = make_tenancy(metrics, **(tenancy or {"api_key": api_key}))
     if tenants.limits is not None:
         _log_tenants(tenants, config)
-    engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics)
+    if engine_process:
+        engine: EngineClient = EngineCoreClient(config, max_waiting_requests=max_waiting_requests,
+                                                observer=metrics, restart=restart_engine)
+    else:
+        engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics)
     app = build_app(engine, [name], metrics, tenancy=tenants, access_log=access_log)
     # our access log names the tenant; uvicorn's would only repeat it without
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,

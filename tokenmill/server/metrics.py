@@ -22,7 +22,7 @@ _THROUGHPUT_WINDOW_S = 5.0
 
 
 class ServerMetrics:
-    """Implements AsyncEngine's StepObserver; `render()` is the /metrics body."""
+    """Implements EngineClient's StepObserver; `render()` is the /metrics body."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -126,11 +126,12 @@ class ServerMetrics:
         self.kv_usage.set(stats["kv_cache_usage"])
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
         queries, hits = int(stats["prefix_cache_queries"]), int(stats["prefix_cache_hits"])
-        self.prefix_queries.inc(queries - self._seen_prefix[0])
-        self.prefix_hits.inc(hits - self._seen_prefix[1])
+        # an engine core that was restarted counts from zero again
+        self.prefix_queries.inc(_since(queries, self._seen_prefix[0]))
+        self.prefix_hits.inc(_since(hits, self._seen_prefix[1]))
         self._seen_prefix = (queries, hits)
         preemptions = int(stats["num_preemptions"])
-        self.preemptions.inc(preemptions - self._seen_preemptions)
+        self.preemptions.inc(_since(preemptions, self._seen_preemptions))
         self._seen_preemptions = preemptions
         if stats.get("spec_decode_num_draft_tokens"):
             self._observe_spec(stats)
@@ -141,7 +142,7 @@ class ServerMetrics:
                        for j, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])})
         totals.update({("k", str(k)): n for k, n in enumerate(stats["spec_decode_num_steps_by_k"])})
         for name, total in totals.items():
-            new = total - self._seen_spec.get(name, 0)
+            new = _since(total, self._seen_spec.get(name, 0))
             if new:
                 if isinstance(name, str):
                     counter = self._spec[name]
@@ -192,3 +193,9 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _since(total: int, seen: int) -> int:
+    """What a running total added since it was `seen`; a total below that started again from
+    zero (a restarted engine core)."""
+    return total - seen if total >= seen else total

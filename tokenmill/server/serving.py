@@ -1,4 +1,4 @@
-"""What completions and chat share on top of AsyncEngine: sampling parameters, one
+"""What completions and chat share on top of EngineClient: sampling parameters, one
 engine request per choice (prompts x n), merged output streams, usage, errors.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.async_engine import AsyncEngine, QueueFullError
+from tokenmill.engine.async_engine import EngineClient, QueueFullError
 from tokenmill.engine.request import Request, RequestOutput
 from tokenmill.sampling_params import ParamError, SamplingParams
 from tokenmill.server.protocol import APIError, _SamplingRequest
@@ -52,7 +52,7 @@ def sse(data: dict[str, Any]) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: EngineClient, served_model_names: Sequence[str]) -> None:
         self.engine = engine
         self.model_names = list(served_model_names)
         self.tokenizer = engine.tokenizer

@@ -1,0 +1,315 @@
+"""EngineCoreClient: the server's side of an engine core that runs in a process of its own
+(core_proc.py), so the HTTP loop and the engine no longer share a GIL (vLLM V1's layout).
+
+    event loop                      output thread                  engine-core process
+    ----------                      -------------                  -------------------
+    make_request (validate, tokenize: InputProcessor, here)
+    generate(): add  -- one ZMQ message per loop turn ---------->  steps
+    streams, metrics <- call_soon_threadsafe <- recv, unpickle <-  one message per step
+                                    process sentinel: the core died
+                                      -> open streams fail, 503s, /health fails;
+                                         restart=True starts a new core
+
+Each core gets fresh ZMQ addresses, so nothing meant for a dead core reaches the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import EngineClient, StepObserver
+from tokenmill.engine.detokenizer import load_tokenizer
+from tokenmill.engine.grammar import Grammars
+from tokenmill.engine.input_processor import EngineLimits, InputProcessor
+from tokenmill.engine.outputs import failed_output
+from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.executor.loader import resolve_model_path
+
+logger = logging.getLogger("tokenmill")
+
+DEATH_POLL_MS = 100  # how soon a dead engine core is noticed (503s, /health) at the latest
+
+
+class EngineCoreError(RuntimeError):
+    """The engine core could not be started."""
+
+
+class _Core:
+    """One engine-core process and the sockets to it."""
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, directory: str, generation: int,
+                 check_integrity: bool, ready_timeout: float) -> None:
+        input_addr = f"ipc://{directory}/in-{generation}"
+        output_addr = f"ipc://{directory}/out-{generation}"
+        self.outputs = ctx.socket(zmq.PULL)
+        self.outputs.bind(output_addr)
+        self.inputs = ctx.socket(zmq.PUSH)  # connects first: messages wait for the core's bind
+        self.inputs.setsockopt(zmq.SNDHWM, 0)
+        self.inputs.setsockopt(zmq.LINGER, 0)
+        self.inputs.connect(input_addr)
+        # a plain subprocess (not multiprocessing's spawn, which re-runs the caller's main module)
+        self.process = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"], stdin=subprocess.PIPE)
+        args = dict(config=config, input_addr=input_addr, output_addr=output_addr, check_integrity=check_integrity,
+                    log_level=logging.getLogger("tokenmill").getEffectiveLevel())
+        try:
+            assert self.process.stdin is not None
+            self.process.stdin.write(pickle.dumps(args))
+            self.process.stdin.close()
+        except BaseException:
+            self.kill()
+            self.close()
+            raise
+        self.ready_timeout = ready_timeout
+        self.limits: EngineLimits | None = None
+
+    def wait_ready(self) -> EngineLimits:
+        """Waits for the engine to be built; raises EngineCoreError (killing the process) if it
+        fails, exits or takes too long."""
+        try:
+            return self._wait_ready(self.ready_timeout)
+        except BaseException:
+            self.kill()
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout: float) -> EngineLimits:
+        deadline = time.monotonic() + timeout
+        while not self.outputs.poll(100):
+            if not self.is_alive():
+                raise EngineCoreError(f"the engine core exited with code {self.process.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise EngineCoreError(f"the engine core was not ready after {timeout:g} s")
+        kind, payload = pickle.loads(self.outputs.recv())
+        if kind == "error":
+            raise EngineCoreError(payload)
+        self.limits = payload
+        return payload
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.process.kill()
+        self.process.wait(5)
+
+    def close(self) -> None:
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=0)
+
+
+class EngineCoreClient(EngineClient):
+    """The engine in its own process. `restart`: a core that dies is replaced by a new one
+    (the requests it held fail); without it the server answers 503 from then on."""
+
+    def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024,
+                 observer: StepObserver | None = None, restart: bool = False, check_integrity: bool = False,
+                 ready_timeout: float = 900.0) -> None:
+        super().__init__(max_waiting_requests, observer)
+        self.config = config
+        self.restart = restart
+        self.check_integrity = check_integrity
+        self.ready_timeout = ready_timeout
+        self.num_restarts = 0
+        self.error: str | None = None  # why the last core ended, if it did not stop when told
+        self._ctx = zmq.Context(1)
+        self._dir = tempfile.mkdtemp(prefix="tokenmill-core-")
+        self._generation = 0
+        # the requests sent to the core and not finished: their prompts, and what fails if it dies
+        self._requests: dict[str, Request] = {}
+        self._pending: list[tuple[str, Any]] = []  # adds and aborts of this loop turn, sent as one message
+        self._num_adds = 0  # adds sent to the current core
+        self._num_taken = 0  # ... of which it had taken as of its last message
+        self._stats: dict[str, Any] = {}
+        self._stopping = False
+        self._alive = False
+        self._core: _Core | None = None
+        model_path = resolve_model_path(config.model)  # once (a hub id downloads here), for both processes
+        if config.model is not None:
+            config = self.config = replace(config, model=str(model_path))
+        try:
+            core = _Core(config, self._ctx, self._dir, self._next_generation(), check_integrity, ready_timeout)
+            self._core = core
+            # while the core loads the model
+            self.tokenizer = None if config.skip_tokenizer_init else \
+                load_tokenizer(config.tokenizer or model_path)
+            limits = core.wait_ready()
+        except BaseException:
+            self._close()
+            raise
+        self.limits = limits
+        self.max_model_len = limits.max_model_len
+        self.processor = InputProcessor(self.tokenizer, limits)
+        # compiled here ahead of queueing (a bad grammar is a 400); the core compiles its own copy
+        self.grammars = Grammars(self.tokenizer, limits.vocab_size, limits.eos_token_ids) \
+            if self.tokenizer is not None else None
+        self._watcher: threading.Thread | None = None
+
+    # -- life cycle -------------------------------------------------------------
+    def _next_generation(self) -> int:
+        self._generation += 1
+        return self._generation
+
+    def _launch(self) -> _Core:
+        core = _Core(self.config, self._ctx, self._dir, self._next_generation(), self.check_integrity,
+                     self.ready_timeout)
+        core.wait_ready()
+        return core
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._alive = True
+        self._watcher = threading.Thread(target=self._watch, args=(self._core,), name="tokenmill-core-outputs",
+                                         daemon=True)
+        self._watcher.start()
+
+    async def stop(self) -> None:
+        """Tells the core to stop (it fails what it holds) and waits for it; kills it after 10 s."""
+        self._stopping = True
+        core = self._core
+        if core is not None and core.is_alive():
+            self._pending.append(("shutdown", None))
+            self._flush()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(core.process.wait, 10)
+            core.kill()
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.join, 5)
+        self._fail_streams("the engine stopped")
+        self._close()
+
+    def _close(self) -> None:
+        if self._core is not None:
+            self._core.kill()
+            self._core.close()
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._alive and not self._stopping
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core's process id (tests kill it)."""
+        return self._core.process.pid if self._core is not None else None
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self._stats.get("num_waiting", 0)) + max(0, self._num_adds - self._num_taken)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of its last step message (kv_cache_usage, num_running, ...)."""
+        return self._stats
+
+    # -- requests ---------------------------------------------------------------
+    def _add(self, request: Request, prompt: str | None) -> None:
+        self._requests[request.request_id] = request
+        self._num_adds += 1
+        self._send("add", (request, prompt))
+
+    def _abort(self, request_id: str) -> None:
+        # the request stays in _requests until its final output (abort) comes back
+        if self._alive:
+            self._send("abort", request_id)
+
+    def _send(self, kind: str, payload: Any) -> None:
+        if not self._pending:
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+        self._pending.append((kind, payload))
+
+    def _flush(self) -> None:
+        messages, self._pending = self._pending, []
+        if messages and self._alive:
+            self._core.inputs.send(pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+    # -- outputs (output thread) --------------------------------------------------
+    def _watch(self, core: _Core) -> None:
+        """Receives the core's step messages; when its process ends, reports that and, with
+        `restart`, starts the next core."""
+        while True:
+            error: str | None = None
+            while core.is_alive():
+                if core.outputs.poll(DEATH_POLL_MS):
+                    error = self._receive(core) or error
+            while core.outputs.poll(100):  # what it sent before it ended is read first
+                error = self._receive(core) or error
+            if self._stopping:
+                return
+            reason = error or f"the engine core exited with code {core.process.returncode}"
+            logger.error("engine core died (%s)%s", reason, "; starting a new one" if self.restart else "")
+            self._call(self._core_died, reason)
+            if not self.restart:
+                return
+            try:
+                core.close()
+                core = self._launch()
+            except Exception as e:  # noqa: BLE001 - the server stays up, answering 503
+                logger.error("could not restart the engine core: %s", e)
+                return
+            self._call(self._core_started, core)
+
+    def _receive(self, core: _Core) -> str | None:
+        """Reads every message waiting; returns the error the core reported, if any."""
+        error = None
+        while True:
+            try:
+                data = core.outputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return error
+            outputs, stats, num_taken, now, error = pickle.loads(data)
+            self._call(self._on_step, outputs, stats, num_taken, now)
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # -- on the event loop ------------------------------------------------------------
+    def _on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], num_taken: int, now: float) -> None:
+        self._stats, self._num_taken = stats, num_taken
+        requests = self._requests
+        for out in outputs:
+            request = requests.pop(out.request_id, None) if out.finished else requests.get(out.request_id)
+            out.prompt_token_ids = request.prompt_token_ids if request is not None else []
+        self._dispatch(outputs, stats, now)
+
+    def _core_died(self, reason: str) -> None:
+        self._alive = False
+        self.error = reason
+        self._pending.clear()
+        self._fail_streams(f"engine error: {reason}")
+        self._stats, self._num_adds, self._num_taken = {}, 0, 0
+
+    def _core_started(self, core: _Core) -> None:
+        self._core = core
+        self.num_restarts += 1
+        self._alive = not self._stopping
+        logger.info("engine core restarted (pid %d)", core.process.pid)
+
+    def _fail_streams(self, message: str) -> None:
+        """Every open stream gets a final error output: nothing waits on a core that is gone."""
+        failed = [failed_output(request, message) for request in self._requests.values()]
+        self._requests.clear()
+        # the metrics count them; the engine that held them holds nothing any more
+        stats = {**self._stats, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0} if self._stats else None
+        if failed:
+            self._dispatch(failed, stats, time.time())
