@@ -64,23 +64,29 @@ def run_offline(model: Path, args, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def run_server(model: Path, args, port: int, layout: str) -> dict:
-    flags = ["--engine-in-thread"] if layout == "thread" else []
+def launch_server(model: Path, port: int, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`tokenmill serve` of the benchmark model (dummy weights, served as "bench"); returns the
+    process and its URL once /health answers."""
     proc = subprocess.Popen(tokenmill_cmd("serve", "--model", str(model), "--load-format", "dummy",
                                           "--port", str(port), "--served-model-name", "bench",
                                           "--disable-access-log", *flags),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1):
+                return proc, url
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the server did not start ({' '.join(flags)})") from None
+            time.sleep(0.2)
+
+
+def run_server(model: Path, args, port: int, layout: str) -> dict:
+    proc, url = launch_server(model, port, *(["--engine-in-thread"] if layout == "thread" else []))
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("the server did not start") from None
-                time.sleep(0.2)
         vocab = SHAPE["vocab_size"]
         requests = random_requests(args.num_prompts, _range(args.input_len), _range(args.output_len), vocab, seed=0)
         cores = children(proc.pid)  # the engine-core process, in the process layout

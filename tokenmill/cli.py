@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine-in-thread", action="store_true",
                      help="run the engine on a thread of the server process instead of a process of its own "
                           "(the HTTP loop then shares its GIL)")
+    srv.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                     help="N engine-core processes behind this server, each with its own KV cache (on the CPU: "
+                          "its own slice of the cores, --num-threads split between them)")
+    srv.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "round_robin"],
+                     help="prefix: each request to the replica holding the longest cached prefix of its prompt "
+                          "(ties and imbalance by load)")
     add_engine_args(srv)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
@@ -267,7 +273,8 @@ def _serve(args: argparse.Namespace) -> int:
                  served_model_name=args.served_model_name, tenancy=tenancy,
                  max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                  log_level=args.log_level.lower(), access_log=not args.disable_access_log,
-                 engine_process=not args.engine_in_thread, restart_engine=args.restart_engine)
+                 engine_process=not args.engine_in_thread, restart_engine=args.restart_engine,
+                 data_parallel_size=args.data_parallel_size, data_parallel_routing=args.data_parallel_routing)
 
 
 def _json_object(flag: str, value: str | None, expected: str) -> dict | None:

@@ -20,6 +20,7 @@ import uvicorn
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineClient
 from tokenmill.engine.core_client import EngineCoreClient
+from tokenmill.engine.dp_client import DataParallelClient
 from tokenmill.server.api import build_app
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.tenancy import make_tenancy
@@ -85,7 +86,7 @@ class RunningServer:
     def idle(self) -> bool:
         if isinstance(self.engine, AsyncEngine):
             return not self.engine.engine.has_unfinished_requests()
-        stats = self.engine.stats  # as of the core's last step
+        stats = self.engine.stats  # as of the cores' last steps
         return self.engine.num_waiting == 0 and stats.get("num_running", 0) == 0
 
     def stop(self) -> None:
@@ -95,7 +96,7 @@ class RunningServer:
 
 def start_server(api_key: str | None = None, max_waiting_requests: int = 1024, tenancy: dict | None = None,
                  access_log: bool = False, engine_process: bool = False, restart_engine: bool = False,
-                 **engine_args) -> RunningServer:
+                 data_parallel_size: int = 1, **engine_args) -> RunningServer:
     """`tenancy`: make_tenancy's arguments (tenants_file, admin_key, limits_db, limits_store, ...)."""
     # float32: a CPU with bfloat16 would pick it, and tests compare with float32 references
     engine_args = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_num_seqs": 64, "dtype": "float32",
@@ -103,9 +104,12 @@ def start_server(api_key: str | None = None, max_waiting_requests: int = 1024, t
     metrics = ServerMetrics(MODEL_NAME)
     tenants = None if tenancy is None else make_tenancy(metrics, **tenancy)
     config = EngineConfig(**engine_args)
-    if engine_process:
-        engine: EngineClient = EngineCoreClient(config, max_waiting_requests=max_waiting_requests, observer=metrics,
-                                                restart=restart_engine, check_integrity=True)
+    if data_parallel_size > 1:
+        engine: EngineClient = DataParallelClient(config, data_parallel_size, max_waiting_requests, observer=metrics,
+                                                  restart=restart_engine, check_integrity=True)
+    elif engine_process:
+        engine = EngineCoreClient(config, max_waiting_requests=max_waiting_requests, observer=metrics,
+                                  restart=restart_engine, check_integrity=True)
     else:
         engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics)
     app = build_app(engine, [MODEL_NAME], metrics, api_key=api_key, tenancy=tenants, access_log=access_log)

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -52,7 +53,7 @@ class _Core:
     """One engine-core process and the sockets to it."""
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context, directory: str, generation: int,
-                 check_integrity: bool, ready_timeout: float) -> None:
+                 check_integrity: bool, ready_timeout: float, cpus: list[int] | None, kv_events: bool) -> None:
         input_addr = f"ipc://{directory}/in-{generation}"
         output_addr = f"ipc://{directory}/out-{generation}"
         self.outputs = ctx.socket(zmq.PULL)
@@ -64,7 +65,7 @@ class _Core:
         # a plain subprocess (not multiprocessing's spawn, which re-runs the caller's main module)
         self.process = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"], stdin=subprocess.PIPE)
         args = dict(config=config, input_addr=input_addr, output_addr=output_addr, check_integrity=check_integrity,
-                    log_level=logging.getLogger("tokenmill").getEffectiveLevel())
+                    log_level=logging.getLogger("tokenmill").getEffectiveLevel(), cpus=cpus, kv_events=kv_events)
         try:
             assert self.process.stdin is not None
             self.process.stdin.write(pickle.dumps(args))
@@ -112,14 +113,24 @@ class _Core:
         self.outputs.close(linger=0)
 
 
+_LOAD = object()  # EngineCoreClient's tokenizer: load the checkpoint's
+
+
 class EngineCoreClient(EngineClient):
     """The engine in its own process. `restart`: a core that dies is replaced by a new one
-    (the requests it held fail); without it the server answers 503 from then on."""
+    (the requests it held fail); without it the server answers 503 from then on. `tokenizer`:
+    one already loaded (data parallel: one for all replicas)."""
 
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024,
                  observer: StepObserver | None = None, restart: bool = False, check_integrity: bool = False,
-                 ready_timeout: float = 900.0) -> None:
+                 ready_timeout: float = 900.0, cpus: list[int] | None = None,
+                 on_kv_events: Callable[[list[tuple[bool, bytes]] | None], None] | None = None,
+                 tokenizer: Any = _LOAD) -> None:
         super().__init__(max_waiting_requests, observer)
+        self.cpus = cpus
+        # on the event loop: each step's (stored?, block hash) events; None when the core died,
+        # taking everything it held with it
+        self.on_kv_events = on_kv_events
         self.config = config
         self.restart = restart
         self.check_integrity = check_integrity
@@ -142,14 +153,15 @@ class EngineCoreClient(EngineClient):
         if config.model is not None:
             config = self.config = replace(config, model=str(model_path))
         try:
-            core = _Core(config, self._ctx, self._dir, self._next_generation(), check_integrity, ready_timeout)
+            core = _Core(config, self._ctx, self._dir, self._next_generation(), check_integrity, ready_timeout, cpus,
+                         on_kv_events is not None)
             self._core = core
-            # while the core loads the model
-            self.tokenizer = None if config.skip_tokenizer_init else \
-                load_tokenizer(config.tokenizer or model_path)
+            if tokenizer is _LOAD:  # while the core loads the model
+                tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or model_path)
+            self.tokenizer = tokenizer
             limits = core.wait_ready()
         except BaseException:
-            self._close()
+            self.close()
             raise
         self.limits = limits
         self.max_model_len = limits.max_model_len
@@ -166,7 +178,7 @@ class EngineCoreClient(EngineClient):
 
     def _launch(self) -> _Core:
         core = _Core(self.config, self._ctx, self._dir, self._next_generation(), self.check_integrity,
-                     self.ready_timeout)
+                     self.ready_timeout, self.cpus, self.on_kv_events is not None)
         core.wait_ready()
         return core
 
@@ -190,9 +202,11 @@ class EngineCoreClient(EngineClient):
         if self._watcher is not None:
             await asyncio.to_thread(self._watcher.join, 5)
         self._fail_streams("the engine stopped")
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Ends the core (if any) and frees the sockets; for a client that was never started, or
+        after stop()."""
         if self._core is not None:
             self._core.kill()
             self._core.close()
@@ -273,8 +287,8 @@ class EngineCoreClient(EngineClient):
                 data = core.outputs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return error
-            outputs, stats, num_taken, now, error = pickle.loads(data)
-            self._call(self._on_step, outputs, stats, num_taken, now)
+            outputs, stats, num_taken, now, error, kv_events = pickle.loads(data)
+            self._call(self._on_step, outputs, stats, num_taken, now, kv_events)
 
     def _call(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -284,8 +298,11 @@ class EngineCoreClient(EngineClient):
             pass
 
     # -- on the event loop ------------------------------------------------------------
-    def _on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], num_taken: int, now: float) -> None:
+    def _on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], num_taken: int, now: float,
+                 kv_events: list[tuple[bool, bytes]]) -> None:
         self._stats, self._num_taken = stats, num_taken
+        if kv_events and self.on_kv_events is not None:
+            self.on_kv_events(kv_events)
         requests = self._requests
         for out in outputs:
             request = requests.pop(out.request_id, None) if out.finished else requests.get(out.request_id)
@@ -295,6 +312,8 @@ class EngineCoreClient(EngineClient):
     def _core_died(self, reason: str) -> None:
         self._alive = False
         self.error = reason
+        if self.on_kv_events is not None:
+            self.on_kv_events(None)
         self._pending.clear()
         self._fail_streams(f"engine error: {reason}")
         self._stats, self._num_adds, self._num_taken = {}, 0, 0

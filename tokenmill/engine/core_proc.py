@@ -5,8 +5,8 @@ server (AsyncEngine) or, for `tokenmill serve`, by a process of its own (run_eng
     ------------------------------               -------------------
     adds / aborts of one loop turn  -- ZMQ -->   drain inbox -> add / abort
                                                  Engine.step()
-    streams, metrics  <-- ZMQ, one message --    (outputs, stats, adds taken, time, error)
-                          per step
+    streams, metrics  <-- ZMQ, one message --    (outputs, stats, adds taken, time, error,
+                          per step               prefix-cache events)
 
 Messages are pickled lists. Each step's message carries the engine's stats, so the API
 process's metrics and queue bound need nothing else from the core. Outputs travel without
@@ -84,11 +84,15 @@ def main() -> None:
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int,
-                    check_integrity: bool = False) -> None:
+                    check_integrity: bool = False, cpus: list[int] | None = None, kv_events: bool = False) -> None:
     """Builds the Engine, sends ("ready", EngineLimits) or ("error", message) as its first
-    message, then steps until told to stop or its parent is gone."""
+    message, then steps until told to stop or its parent is gone. `cpus`: the cores it may
+    run on (data parallel: each replica its own); `kv_events`: each step message carries the
+    block hashes stored in and removed from the prefix cache since the last one."""
     # Ctrl-C reaches the whole process group: the API process stops the core in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cpus:  # before torch starts its thread pool
+        os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
     parent = os.getppid()
     ctx = zmq.Context(1)
@@ -105,6 +109,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(input_addr)
     outbox.send(pickle.dumps(("ready", engine.limits)))
+    pool = engine.kv_cache.pool
+    if kv_events:
+        pool.events = []
     core = EngineCore(engine)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -113,7 +120,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     def send(outputs: list[RequestOutput], error: str | None = None) -> None:
         for out in outputs:  # the client has every prompt: half the bytes of a step's message
             out.prompt_token_ids = None  # type: ignore[assignment]
-        message = (outputs, engine.stats(), core.num_taken, time.time(), error)
+        message = (outputs, engine.stats(), core.num_taken, time.time(), error, pool.take_events())
         outbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
 
     try:
@@ -145,7 +152,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
                 outputs += core.step()
                 if check_integrity:  # tests: the pool and the block tables agree after every step
                     engine.kv_cache.check_integrity()
-            if outputs:
+            if outputs or pool.events:
                 send(outputs)
             if os.getppid() != parent:
                 break

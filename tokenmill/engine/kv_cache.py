@@ -74,6 +74,9 @@ class BlockPool:
         # block_id -> block, least recently freed first
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}
+        # a list to collect (stored?, hash) as blocks become findable or stop being so, for a
+        # data-parallel router that sends requests where their prefix is; None: not collected
+        self.events: list[tuple[bool, bytes]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -85,9 +88,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
-            if block.key is not None:
-                del self.cached[block.key]
-                block.key = None
+            self.unregister(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -116,6 +117,8 @@ class BlockPool:
     def unregister(self, block: KVBlock) -> None:
         if block.key is not None:
             del self.cached[block.key]
+            if self.events is not None:
+                self.events.append((False, block.key[0]))
             block.key = None
 
     def register(self, block: KVBlock, key: BlockKey) -> None:
@@ -123,6 +126,13 @@ class BlockPool:
         if block.key is None and key not in self.cached:
             block.key = key
             self.cached[key] = block
+            if self.events is not None:
+                self.events.append((True, key[0]))
+
+    def take_events(self) -> list[tuple[bool, bytes]]:
+        """The events collected since the last call, oldest first."""
+        events, self.events = self.events or [], [] if self.events is not None else None
+        return events
 
 
 class KVCacheManager:
@@ -258,9 +268,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block that no request holds."""
         for block in self.pool.free_queue.values():
-            if block.key is not None:
-                del self.pool.cached[block.key]
-                block.key = None
+            self.pool.unregister(block)
 
     # -- internals ---------------------------------------------------------
     def _needs_copy(self, request: Request) -> bool:

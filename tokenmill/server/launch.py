@@ -12,6 +12,7 @@ import uvicorn
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineClient
 from tokenmill.engine.core_client import EngineCoreClient
+from tokenmill.engine.dp_client import DataParallelClient
 from tokenmill.server.api import build_app
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.tenancy import Tenancy, make_tenancy
@@ -32,20 +33,29 @@ class _Server(uvicorn.Server):
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           api_key: str | None = None, max_waiting_requests: int = 1024, shutdown_timeout: float = 30.0,
           log_level: str = "info", access_log: bool = True, tenancy: dict[str, Any] | None = None,
-          engine_process: bool = True, restart_engine: bool = False) -> int:
+          engine_process: bool = True, restart_engine: bool = False, data_parallel_size: int = 1,
+          data_parallel_routing: str = "prefix") -> int:
     """Serves until stopped. SIGTERM: stop accepting, let in-flight requests finish (at most
     `shutdown_timeout` seconds), exit 0. `tenancy`: make_tenancy's arguments (tenants, keys,
     limits store), checked before the model loads. `engine_process`: the engine core runs in a
     process of its own (else on a thread of this one); `restart_engine`: one that dies is
-    replaced."""
+    replaced. `data_parallel_size` > 1: that many engine cores behind one front, each request
+    routed by `data_parallel_routing` (prefix: to the replica holding its longest cached prefix)."""
     name = served_model_name or config.model or "tokenmill-default"
     metrics = ServerMetrics(name)
     tenants = make_tenancy(metrics, **(tenancy or {"api_key": api_key}))
     if tenants.limits is not None:
         _log_tenants(tenants, config)
-    if engine_process:
-        engine: EngineClient = EngineCoreClient(config, max_waiting_requests=max_waiting_requests,
-                                                observer=metrics, restart=restart_engine)
+    if data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+    if data_parallel_size > 1 and not engine_process:
+        raise ValueError("--data-parallel-size runs engine cores in processes of their own: drop --engine-in-thread")
+    if data_parallel_size > 1:
+        engine: EngineClient = DataParallelClient(config, data_parallel_size, max_waiting_requests, observer=metrics,
+                                                  restart=restart_engine, routing=data_parallel_routing)
+    elif engine_process:
+        engine = EngineCoreClient(config, max_waiting_requests=max_waiting_requests, observer=metrics,
+                                  restart=restart_engine)
     else:
         engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics)
     app = build_app(engine, [name], metrics, tenancy=tenants, access_log=access_log)

@@ -1,0 +1,157 @@
+"""DataParallelClient: N engine-core processes behind one API front (`--data-parallel-size N`).
+
+    make_request (validate, tokenize)          once, in the API process
+    generate()  -> PrefixRouter.route(prompt, loads, alive)
+                -> replica i's EngineCoreClient.generate()  (its own core, cores and KV cache)
+    each replica's step  -> its prefix-cache events -> the router's mirror of replica i
+                         -> metrics, with the stats of all replicas summed
+
+On the CPU each replica gets its own slice of the cores (threads split, affinity set); a
+replica that dies is routed around while the others serve (`restart` brings it back).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import EngineClient, StepObserver
+from tokenmill.engine.core_client import EngineCoreClient
+from tokenmill.engine.detokenizer import load_tokenizer
+from tokenmill.engine.outputs import failed_output
+from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.executor.loader import resolve_model_path
+from tokenmill.router.prefix import PrefixRouter
+
+logger = logging.getLogger("tokenmill")
+
+_SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+           "num_prompt_tokens_computed", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+           "spec_decode_num_unspeculated_steps")
+
+
+def split_cpus(size: int, num_threads: int | None) -> list[list[int]]:
+    """Each replica's cores: the allowed ones (or the first `num_threads` of them) in equal
+    slices, at least one each; raises ValueError naming the flag when there are too few."""
+    allowed = sorted(os.sched_getaffinity(0))
+    total = num_threads or len(allowed)
+    if total > len(allowed):
+        raise ValueError(f"--num-threads {total} exceeds the {len(allowed)} cores this process may use")
+    if size > total:
+        raise ValueError(f"--data-parallel-size {size} exceeds the {total} cores to split between replicas "
+                         f"(each replica needs one at least)")
+    per = total // size
+    return [allowed[i * per:(i + 1) * per] for i in range(size)]
+
+
+class _ReplicaObserver:
+    """A replica's step, seen by the front: its stats kept, the metrics given the sum."""
+
+    def __init__(self, front: DataParallelClient, index: int) -> None:
+        self.front, self.index = front, index
+
+    def observe_step(self, outputs: Sequence[RequestOutput], stats: dict[str, float], now: float) -> None:
+        self.front._observe(self.index, outputs, stats, now)
+
+
+class DataParallelClient(EngineClient):
+    def __init__(self, config: EngineConfig, size: int, max_waiting_requests: int = 1024,
+                 observer: StepObserver | None = None, restart: bool = False, routing: str = "prefix",
+                 check_integrity: bool = False) -> None:
+        super().__init__(max_waiting_requests, observer)
+        if size < 2:
+            raise ValueError(f"--data-parallel-size must be >= 2 here (1 is a single engine core), got {size}")
+        cpus = split_cpus(size, config.num_threads)
+        model_path = resolve_model_path(config.model)  # once, here: the replicas start on threads
+        if config.model is not None:
+            config = replace(config, model=str(model_path))
+        tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or model_path)
+        self.router = PrefixRouter(size, config.block_size, routing)
+        self._replica_stats: list[dict[str, Any]] = [{} for _ in range(size)]
+        self._loads = [0] * size  # requests each replica has in flight, as routed here
+
+        def build(i: int) -> EngineCoreClient:
+            return EngineCoreClient(replace(config, num_threads=len(cpus[i])), max_waiting_requests,
+                                    observer=_ReplicaObserver(self, i), restart=restart,
+                                    check_integrity=check_integrity, cpus=cpus[i],
+                                    on_kv_events=lambda events, i=i: self.router.apply_events(i, events),
+                                    tokenizer=tokenizer)
+
+        with ThreadPoolExecutor(size) as pool:  # the replicas load at once
+            futures = [pool.submit(build, i) for i in range(size)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        self.replicas = [f.result() for f in futures if f.exception() is None]
+        if errors:
+            for replica in self.replicas:
+                replica.close()
+            raise errors[0]
+        first = self.replicas[0]
+        self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
+        self.processor, self.grammars = first.processor, first.grammars
+        logger.info("data parallel: %d engine cores on cores %s, routing %s", size,
+                    " | ".join(",".join(map(str, c)) for c in cpus), routing)
+
+    # -- life cycle -------------------------------------------------------------
+    def start(self) -> None:
+        for replica in self.replicas:
+            replica.start()
+
+    async def stop(self) -> None:
+        for replica in self.replicas:
+            await replica.stop()
+
+    @property
+    def is_running(self) -> bool:
+        """While one replica runs, the front serves (routing around the others)."""
+        return any(r.is_running for r in self.replicas)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting for r in self.replicas)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [r.pid for r in self.replicas]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return _sum_stats(self._replica_stats)
+
+    # -- requests ---------------------------------------------------------------
+    async def generate(self, request: Request, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        alive = [r.is_running for r in self.replicas]
+        if not any(alive):
+            yield failed_output(request, "the engine is not running")
+            return
+        i = self.router.route(request.prompt_token_ids, self._loads, alive)
+        self._loads[i] += 1
+        try:
+            async for out in self.replicas[i].generate(request, prompt):
+                yield out
+        finally:
+            self._loads[i] -= 1
+
+    def _observe(self, index: int, outputs: Sequence[RequestOutput], stats: dict[str, float], now: float) -> None:
+        self._replica_stats[index] = stats
+        if self.observer is not None:
+            self.observer.observe_step(outputs, _sum_stats(self._replica_stats), now)
+
+
+def _sum_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replicas' stats as one engine's: counts summed, KV usage averaged."""
+    known = [s for s in per_replica if s]
+    if not known:
+        return {}
+    out: dict[str, Any] = {name: sum(s.get(name, 0) for s in known) for name in _SUMMED}
+    out["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per_replica) / len(per_replica)
+    queries = out["prefix_cache_queries"]
+    out["prefix_cache_hit_rate"] = out["prefix_cache_hits"] / queries if queries else 0.0
+    for name in ("spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_steps_by_k"):
+        lists = [s.get(name, []) for s in known]
+        out[name] = [sum(v[j] for v in lists if j < len(v)) for j in range(max(map(len, lists), default=0))]
+    return out
