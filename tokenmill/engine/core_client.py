@@ -16,7 +16,6 @@ Each core gets fresh ZMQ addresses, so nothing meant for a dead core reaches the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import pickle
 import shutil
@@ -43,6 +42,10 @@ from tokenmill.executor.loader import resolve_model_path
 logger = logging.getLogger("tokenmill")
 
 DEATH_POLL_MS = 100  # how soon a dead engine core is noticed (503s, /health) at the latest
+STOP_GRACE_S = 10.0  # a core told to stop that has not exited by then is killed
+# what the metrics see of a core that never reported a step
+ZERO_STATS = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_hit_rate": 0.0,
+              "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
 
 class EngineCoreError(RuntimeError):
@@ -50,23 +53,29 @@ class EngineCoreError(RuntimeError):
 
 
 class _Core:
-    """One engine-core process and the sockets to it."""
+    """One engine-core process and the sockets to it. The output socket belongs to the output
+    thread, the input socket to the event loop (zmq sockets are not thread-safe)."""
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context, directory: str, generation: int,
                  check_integrity: bool, ready_timeout: float, cpus: list[int] | None, kv_events: bool) -> None:
         input_addr = f"ipc://{directory}/in-{generation}"
         output_addr = f"ipc://{directory}/out-{generation}"
+        self.ready_timeout = ready_timeout
+        self.limits: EngineLimits | None = None
+        self.process: subprocess.Popen | None = None
         self.outputs = ctx.socket(zmq.PULL)
-        self.outputs.bind(output_addr)
         self.inputs = ctx.socket(zmq.PUSH)  # connects first: messages wait for the core's bind
-        self.inputs.setsockopt(zmq.SNDHWM, 0)
-        self.inputs.setsockopt(zmq.LINGER, 0)
-        self.inputs.connect(input_addr)
-        # a plain subprocess (not multiprocessing's spawn, which re-runs the caller's main module)
-        self.process = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"], stdin=subprocess.PIPE)
-        args = dict(config=config, input_addr=input_addr, output_addr=output_addr, check_integrity=check_integrity,
-                    log_level=logging.getLogger("tokenmill").getEffectiveLevel(), cpus=cpus, kv_events=kv_events)
         try:
+            self.outputs.bind(output_addr)
+            self.inputs.setsockopt(zmq.SNDHWM, 0)
+            self.inputs.setsockopt(zmq.LINGER, 0)
+            self.inputs.connect(input_addr)
+            # a plain subprocess (not multiprocessing's spawn, which re-runs the caller's main module)
+            self.process = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"],
+                                            stdin=subprocess.PIPE)
+            args = dict(config=config, input_addr=input_addr, output_addr=output_addr,
+                        check_integrity=check_integrity, cpus=cpus, kv_events=kv_events,
+                        log_level=logging.getLogger("tokenmill").getEffectiveLevel())
             assert self.process.stdin is not None
             self.process.stdin.write(pickle.dumps(args))
             self.process.stdin.close()
@@ -74,36 +83,42 @@ class _Core:
             self.kill()
             self.close()
             raise
-        self.ready_timeout = ready_timeout
-        self.limits: EngineLimits | None = None
 
-    def wait_ready(self) -> EngineLimits:
+    def wait_ready(self, stopping: Callable[[], bool] = lambda: False) -> EngineLimits:
         """Waits for the engine to be built; raises EngineCoreError (killing the process) if it
-        fails, exits or takes too long."""
+        fails, exits, takes too long or `stopping()` turns true."""
         try:
-            return self._wait_ready(self.ready_timeout)
+            return self._wait_ready(self.ready_timeout, stopping)
         except BaseException:
             self.kill()
             self.close()
             raise
 
-    def _wait_ready(self, timeout: float) -> EngineLimits:
+    def _wait_ready(self, timeout: float, stopping: Callable[[], bool]) -> EngineLimits:
         deadline = time.monotonic() + timeout
         while not self.outputs.poll(100):
             if not self.is_alive():
-                raise EngineCoreError(f"the engine core exited with code {self.process.returncode} while starting")
+                raise EngineCoreError(f"the engine core exited with code {self.returncode} while starting")
             if time.monotonic() > deadline:
                 raise EngineCoreError(f"the engine core was not ready after {timeout:g} s")
+            if stopping():
+                raise EngineCoreError("the server stopped while the engine core was starting")
         kind, payload = pickle.loads(self.outputs.recv())
         if kind == "error":
             raise EngineCoreError(payload)
         self.limits = payload
         return payload
 
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.returncode
+
     def is_alive(self) -> bool:
-        return self.process.poll() is None
+        return self.process is not None and self.process.poll() is None
 
     def kill(self) -> None:
+        if self.process is None:
+            return
         if self.is_alive():
             self.process.kill()
         self.process.wait(5)
@@ -137,6 +152,9 @@ class EngineCoreClient(EngineClient):
         self.ready_timeout = ready_timeout
         self.num_restarts = 0
         self.error: str | None = None  # why the last core ended, if it did not stop when told
+        model_path = resolve_model_path(config.model)  # once (a hub id downloads here), for both processes
+        if config.model is not None:
+            config = self.config = replace(config, model=str(model_path))
         self._ctx = zmq.Context(1)
         self._dir = tempfile.mkdtemp(prefix="tokenmill-core-")
         self._generation = 0
@@ -149,9 +167,7 @@ class EngineCoreClient(EngineClient):
         self._stopping = False
         self._alive = False
         self._core: _Core | None = None
-        model_path = resolve_model_path(config.model)  # once (a hub id downloads here), for both processes
-        if config.model is not None:
-            config = self.config = replace(config, model=str(model_path))
+        self._stop_time = 0.0
         try:
             core = _Core(config, self._ctx, self._dir, self._next_generation(), check_integrity, ready_timeout, cpus,
                          on_kv_events is not None)
@@ -179,7 +195,7 @@ class EngineCoreClient(EngineClient):
     def _launch(self) -> _Core:
         core = _Core(self.config, self._ctx, self._dir, self._next_generation(), self.check_integrity,
                      self.ready_timeout, self.cpus, self.on_kv_events is not None)
-        core.wait_ready()
+        core.wait_ready(stopping=lambda: self._stopping)
         return core
 
     def start(self) -> None:
@@ -190,27 +206,23 @@ class EngineCoreClient(EngineClient):
         self._watcher.start()
 
     async def stop(self) -> None:
-        """Tells the core to stop (it fails what it holds) and waits for it; kills it after 10 s."""
+        """Tells the core to stop (it fails what it holds) and waits for it; the output thread
+        kills it after STOP_GRACE_S."""
         self._stopping = True
-        core = self._core
-        if core is not None and core.is_alive():
-            self._pending.append(("shutdown", None))
-            self._flush()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(core.process.wait, 10)
-            core.kill()
+        self._stop_time = time.monotonic()
+        self._pending.append(("shutdown", None))
+        self._flush()
         if self._watcher is not None:
-            await asyncio.to_thread(self._watcher.join, 5)
+            await asyncio.to_thread(self._watcher.join)
         self._fail_streams("the engine stopped")
         self.close()
 
     def close(self) -> None:
-        """Ends the core (if any) and frees the sockets; for a client that was never started, or
-        after stop()."""
+        """Ends the core (if any), closes every socket and removes the sockets' directory: after
+        stop(), or for a client that was never started."""
         if self._core is not None:
             self._core.kill()
-            self._core.close()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
@@ -250,32 +262,40 @@ class EngineCoreClient(EngineClient):
 
     def _flush(self) -> None:
         messages, self._pending = self._pending, []
-        if messages and self._alive:
+        if messages and self._alive and self._core is not None:
             self._core.inputs.send(pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
 
     # -- outputs (output thread) --------------------------------------------------
     def _watch(self, core: _Core) -> None:
         """Receives the core's step messages; when its process ends, reports that and, with
-        `restart`, starts the next core."""
+        `restart`, starts the next core. Once the client stops, it waits STOP_GRACE_S for the
+        core to exit and kills it then; a core it started meanwhile it kills at once."""
         while True:
             error: str | None = None
             while core.is_alive():
                 if core.outputs.poll(DEATH_POLL_MS):
                     error = self._receive(core) or error
+                if self._stopping and time.monotonic() - self._stop_time > STOP_GRACE_S:
+                    core.kill()
             while core.outputs.poll(100):  # what it sent before it ended is read first
                 error = self._receive(core) or error
+            core.outputs.close(linger=0)
             if self._stopping:
                 return
-            reason = error or f"the engine core exited with code {core.process.returncode}"
+            reason = error or f"the engine core exited with code {core.returncode}"
             logger.error("engine core died (%s)%s", reason, "; starting a new one" if self.restart else "")
-            self._call(self._core_died, reason)
+            self._call(self._core_died, core, reason)
             if not self.restart:
                 return
             try:
-                core.close()
                 core = self._launch()
             except Exception as e:  # noqa: BLE001 - the server stays up, answering 503
-                logger.error("could not restart the engine core: %s", e)
+                if not self._stopping:
+                    logger.error("could not restart the engine core: %s", e)
+                return
+            if self._stopping:
+                core.kill()
+                core.outputs.close(linger=0)
                 return
             self._call(self._core_started, core)
 
@@ -301,34 +321,42 @@ class EngineCoreClient(EngineClient):
     def _on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], num_taken: int, now: float,
                  kv_events: list[tuple[bool, bytes]]) -> None:
         self._stats, self._num_taken = stats, num_taken
-        if kv_events and self.on_kv_events is not None:
-            self.on_kv_events(kv_events)
+        if kv_events:
+            self._kv_events(kv_events)
         requests = self._requests
         for out in outputs:
             request = requests.pop(out.request_id, None) if out.finished else requests.get(out.request_id)
             out.prompt_token_ids = request.prompt_token_ids if request is not None else []
         self._dispatch(outputs, stats, now)
 
-    def _core_died(self, reason: str) -> None:
+    def _kv_events(self, events: list[tuple[bool, bytes]] | None) -> None:
+        if self.on_kv_events is not None:
+            try:
+                self.on_kv_events(events)
+            except Exception:  # noqa: BLE001 - a router's mirror never stops the outputs
+                logger.exception("prefix-cache event listener failed")
+
+    def _core_died(self, core: _Core, reason: str) -> None:
         self._alive = False
         self.error = reason
-        if self.on_kv_events is not None:
-            self.on_kv_events(None)
+        core.inputs.close(linger=0)  # the event loop's socket, closed on the event loop
+        self._kv_events(None)
         self._pending.clear()
         self._fail_streams(f"engine error: {reason}")
         self._stats, self._num_adds, self._num_taken = {}, 0, 0
 
     def _core_started(self, core: _Core) -> None:
+        if self._stopping:  # the output thread kills it
+            return
         self._core = core
         self.num_restarts += 1
-        self._alive = not self._stopping
+        self._alive = True
         logger.info("engine core restarted (pid %d)", core.process.pid)
 
     def _fail_streams(self, message: str) -> None:
-        """Every open stream gets a final error output: nothing waits on a core that is gone."""
+        """Every open stream gets a final error output: nothing waits on a core that is gone.
+        The metrics count them, and see the engine that held them hold nothing any more."""
         failed = [failed_output(request, message) for request in self._requests.values()]
         self._requests.clear()
-        # the metrics count them; the engine that held them holds nothing any more
-        stats = {**self._stats, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0} if self._stats else None
-        if failed:
-            self._dispatch(failed, stats, time.time())
+        stats = {**ZERO_STATS, **self._stats, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+        self._dispatch(failed, stats, time.time())

@@ -89,8 +89,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     message, then steps until told to stop or its parent is gone. `cpus`: the cores it may
     run on (data parallel: each replica its own); `kv_events`: each step message carries the
     block hashes stored in and removed from the prefix cache since the last one."""
-    # Ctrl-C reaches the whole process group: the API process stops the core in order
+    # Ctrl-C, or a SIGTERM to the whole process group (systemd), reaches the core too: the API
+    # process stops it in order after its requests drained (or the core sees its parent gone)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpus:  # before torch starts its thread pool
         os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")

@@ -12,6 +12,8 @@ replica that dies is routed around while the others serve (`restart` brings it b
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -30,9 +32,10 @@ from tokenmill.router.prefix import PrefixRouter
 
 logger = logging.getLogger("tokenmill")
 
-_SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-           "num_prompt_tokens_computed", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-           "spec_decode_num_unspeculated_steps")
+# running totals of one engine core's life: a restarted replica's start again from zero
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_prompt_tokens_computed",
+             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_unspeculated_steps")
+_SUMMED = ("num_running", "num_waiting", *_COUNTERS)
 
 
 def split_cpus(size: int, num_threads: int | None) -> list[list[int]]:
@@ -73,6 +76,8 @@ class DataParallelClient(EngineClient):
         tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or model_path)
         self.router = PrefixRouter(size, config.block_size, routing)
         self._replica_stats: list[dict[str, Any]] = [{} for _ in range(size)]
+        # what each replica's earlier cores counted, so the sums never go down after a restart
+        self._counted_before: list[dict[str, int]] = [dict.fromkeys(_COUNTERS, 0) for _ in range(size)]
         self._loads = [0] * size  # requests each replica has in flight, as routed here
 
         def build(i: int) -> EngineCoreClient:
@@ -102,8 +107,7 @@ class DataParallelClient(EngineClient):
             replica.start()
 
     async def stop(self) -> None:
-        for replica in self.replicas:
-            await replica.stop()
+        await asyncio.gather(*(replica.stop() for replica in self.replicas), return_exceptions=True)
 
     @property
     def is_running(self) -> bool:
@@ -120,7 +124,8 @@ class DataParallelClient(EngineClient):
 
     @property
     def stats(self) -> dict[str, Any]:
-        return _sum_stats(self._replica_stats)
+        return _sum_stats([{**s, **{n: s.get(n, 0) + before[n] for n in _COUNTERS}} if s else s
+                           for s, before in zip(self._replica_stats, self._counted_before)])
 
     # -- requests ---------------------------------------------------------------
     async def generate(self, request: Request, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -131,15 +136,20 @@ class DataParallelClient(EngineClient):
         i = self.router.route(request.prompt_token_ids, self._loads, alive)
         self._loads[i] += 1
         try:
-            async for out in self.replicas[i].generate(request, prompt):
-                yield out
+            async with contextlib.aclosing(self.replicas[i].generate(request, prompt)) as outputs:
+                async for out in outputs:  # closed early: the replica aborts the request
+                    yield out
         finally:
             self._loads[i] -= 1
 
-    def _observe(self, index: int, outputs: Sequence[RequestOutput], stats: dict[str, float], now: float) -> None:
+    def _observe(self, index: int, outputs: Sequence[RequestOutput], stats: dict[str, Any], now: float) -> None:
+        last, before = self._replica_stats[index], self._counted_before[index]
+        for name in _COUNTERS:
+            if stats.get(name, 0) < last.get(name, 0):  # a new core: what the old one counted stays
+                before[name] += last[name]
         self._replica_stats[index] = stats
         if self.observer is not None:
-            self.observer.observe_step(outputs, _sum_stats(self._replica_stats), now)
+            self.observer.observe_step(outputs, self.stats, now)
 
 
 def _sum_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
