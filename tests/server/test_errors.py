@@ -182,8 +182,11 @@ def test_failed_step_fails_its_requests_not_the_server():
             raise RuntimeError("injected fault")
 
         runner.execute = broken
-        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=30)
+        prompt = " ".join(f"x{i}" for i in range(40))  # full blocks: registered when the step was scheduled
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        srv.wait_idle()
+        assert not srv.engine.engine.kv_cache.pool.cached  # their K/V was never written: not findable
         runner.execute = broken
         with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30,
                           json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:

@@ -60,7 +60,11 @@ class EngineCore:
             return self.engine.step()
         except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the server
             logger.exception("engine step failed; failing the requests in flight")
-            return self.fail_in_flight(f"{type(e).__name__}: {e}")
+            outputs = self.fail_in_flight(f"{type(e).__name__}: {e}")
+            # the step's blocks were made findable when it was scheduled, and their K/V may never
+            # have been written: nothing holds a block now, so forget every cached one
+            self.engine.kv_cache.reset_prefix_cache()
+            return outputs
 
     def fail_in_flight(self, message: str) -> list[RequestOutput]:
         # one per request as its caller knows it (not one per forked sequence), compiling or not
