@@ -36,7 +36,10 @@ def test_known_timing(known_server, tmp_path, concurrency, endpoint):
     assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
     assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # every request meets the SLO
     expected_duration = 0.25 * (n if concurrency == 1 else 1)
-    assert expected_duration - 0.01 <= r["duration"] <= expected_duration * 1.1 + 0.03 + late / 1000
+    # a busy machine may let the client send late (64 streams of 0.25 s once took 0.54 s, every
+    # request on time once sent): the duration counts that, and the records say how late
+    sent_late = max(x["start"] - x["scheduled"] for x in r["requests"]) if concurrency > 1 else 0.0
+    assert expected_duration - 0.01 <= r["duration"] <= expected_duration * 1.1 + 0.03 + late / 1000 + sent_late
     assert len(r["requests"]) == n and all(len(x["chunk_times"]) == 21 for x in r["requests"])
     assert r["token_counts"] == f"the server's usage: {n} requests"
 
