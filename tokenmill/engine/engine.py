@@ -77,17 +77,11 @@ class Engine:
                     "on" if config.enable_prefix_caching else "off", self.max_model_len)
 
     # -- requests -------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.processor.tokenize(prompt)
-
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
                      priority: int = 0, arrival_time: float | None = None, tenant: str | None = None,
                      tenant_weight: float = 1.0) -> tuple[Request, str | None]:
         """InputProcessor.make_request: validates; raises ParamError naming the limit."""
         return self.processor.make_request(prompt, params, request_id, priority, arrival_time, tenant, tenant_weight)
-
-    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        return self.processor.bad_words_token_ids(words)
 
     def add_request(self, request: Request, prompt: str | None = None, final_only: bool = False) -> None:
         """Queues a request. With final_only, step() returns its output once, when it

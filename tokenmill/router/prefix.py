@@ -17,18 +17,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tokenmill.engine.kv_cache import block_hash
+from tokenmill.engine.kv_cache import chain_block_keys
 
 POLICIES = ("prefix", "round_robin")
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """The chained hashes of the prompt's full blocks, as the replicas' caches key them."""
-    hashes, parent = [], b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size])
-        hashes.append(parent)
-    return hashes
+    return [h for h, _ in chain_block_keys(None, token_ids, block_size, 0, len(token_ids) // block_size)]
 
 
 class PrefixRouter:
