@@ -154,13 +154,19 @@ class Bench:
         free_gpu()
         model = hf_model(self.shape, self.args.dtype)
         hf_static_throughput(model, requests[:2], 2)  # warm-up: CUDA context, cuBLAS handles
-        runs = [hf_static_throughput(model, requests, bs) for bs in self.args.hf_batch_sizes]
+        runs = []
+        for bs in self.args.hf_batch_sizes:
+            runs.append(hf_static_throughput(model, requests, bs))
+            print(f"  HF static, batch {bs}: {runs[-1]['elapsed_s']:.1f}s, "
+                  f"{runs[-1]['output_throughput']:,.0f} tok/s", flush=True)
         best = max(runs, key=lambda r: r["output_throughput"])
         ratio = ours["output_throughput"] / best["output_throughput"]
         self.results["hf_static"] = {"tokenmill": ours, "hf_runs": runs, "ratio": ratio}
         self.rows.append((f"vs HF static generate (best batch {best['batch_size']}, {len(requests)} requests)",
                           f"{ratio:.1f}x ({ours['output_throughput']:,.0f} vs {best['output_throughput']:,.0f})",
                           ">= 10x"))
+        print(f"  tokenmill {ours['output_throughput']:,.0f} tok/s vs HF static {best['output_throughput']:,.0f}: "
+              f"{ratio:.1f}x", flush=True)
         # HF's continuous batching takes one max_new_tokens for all: both sides get the mean length
         fixed = [dataclasses.replace(r, output_len=self.args.cb_output_len) for r in requests]
         cb = hf_continuous(model, fixed, self.args.cb_output_len)
@@ -195,7 +201,9 @@ class Bench:
         for batch in self.args.step_batches:
             t, idle = steps[(True, batch)]
             bytes_read = weights + batch * self.args.step_context * kv_per_token
-            roofline = bytes_read / (bandwidth / 2)  # the copy figure counts bytes read and written
+            # the copy moved `bandwidth` bytes per second, read and written together: the rate
+            # at which the memory serves bytes, so a step that reads bytes_read takes at least this
+            roofline = bytes_read / bandwidth
             detail[batch] = {"step_ms": t * 1e3, "gpu_ms": (t - idle) * 1e3, "roofline_ms": roofline * 1e3,
                              "ratio": t / roofline, "gpu_ratio": (t - idle) / roofline,
                              "idle_ms_between_steps": idle * 1e3}
@@ -207,6 +215,24 @@ class Bench:
         detail["graphs_vs_eager_batch1"] = eager_t / graph_t
         self.results["decode_steps"] = detail
         self.rows.append(("CUDA graphs vs eager, decode step at batch 1", f"{eager_t / graph_t:.2f}x", ">= 1.5x"))
+
+    def profile(self) -> None:
+        """Where a decode step's time goes (CUDA graphs on): the GPU's kernel time against
+        the step's wall time, and the kernels that take most of it."""
+        llm = self.engine(self.shape)
+        detail = {}
+        host = []
+        for batch in self.args.step_batches:
+            wall, kernels, top = profile_decode_steps(llm, batch, self.args.step_context)
+            host.append(f"== batch {batch}, context {self.args.step_context}: the host's Python, by own time\n"
+                        + profile_host(llm, batch, self.args.step_context))
+            detail[batch] = {"wall_ms": wall * 1e3, "kernel_ms": kernels * 1e3, "top_kernels": top}
+            self.rows.append((f"profile, batch {batch}: step wall / GPU kernels",
+                              f"{wall * 1e3:.2f} / {kernels * 1e3:.2f} ms; top: "
+                              + ", ".join(f"{name[:28]} {ms:.2f}" for name, ms in top[:3]), ""))
+        del llm
+        self.results["profile"] = detail
+        (self.out / "host_profile.txt").write_text("\n".join(host))
 
     # -- 5. Llama-3-8B ------------------------------------------------------------
     def llama8b(self) -> None:
@@ -223,6 +249,11 @@ class Bench:
         ratio = fp8["output_throughput"] / base["output_throughput"]
         self.rows.append(("FP8 W8A8 (graphs): output tok/s, vs bf16", f"{fp8['output_throughput']:,.0f}, "
                           f"{ratio:.2f}x", ">= 1.4x (H100)"))
+
+    def fp8_quality(self) -> None:
+        if not _cuda():
+            self.rows.append(("FP8 quality", "skipped: no CUDA device", ""))
+            return
         out = self.out / "quant_quality.json"
         cmd = [sys.executable, "benchmarks/quant_quality.py", "--schemes", "fp8", "--output-json", str(out)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -287,6 +318,7 @@ def hf_continuous(model, requests, output_len: int) -> dict:
             elapsed = time.perf_counter() - start
             tokens = sum(len(o.generated_tokens) for o in outputs.values())
             runs.append({"elapsed_s": elapsed, "output_tokens": tokens, "output_throughput": tokens / elapsed})
+            print(f"  HF continuous batching: {elapsed:.1f}s, {tokens / elapsed:,.0f} tok/s", flush=True)
     finally:
         model.destroy_cached_continuous_batching_manager()
     return {**runs[-1], "cold_run": runs[0]}
@@ -311,14 +343,7 @@ def decode_step_time(llm: LLM, batch: int, context: int, steps: int = 30) -> tup
     """Median wall time of a decode-only step of `batch` requests at ~`context` tokens, and
     the GPU's idle time per step (wall time minus the time the GPU spent in the step)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0, detokenize=False)
-    for i in range(batch):
-        request, _ = engine.make_request([(7 * i + j) % 8000 + 10 for j in range(context)], params,
-                                         request_id=f"step-{i}")
-        engine.add_request(request)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        engine.step()  # prompts first: what is timed below are decode-only steps
+    fill_decode_batch(engine, batch, context, steps + 8)  # prompts first: what is timed are decode-only steps
     walls, gpu = [], []
     for _ in range(steps):
         ev0, ev1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if _cuda() \
@@ -333,11 +358,72 @@ def decode_step_time(llm: LLM, batch: int, context: int, steps: int = 30) -> tup
         _sync()
         walls.append(time.perf_counter() - t0)
         gpu.append(ev0.elapsed_time(ev1) / 1e3 if ev0 is not None else walls[-1])
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine)
     walls.sort()
     idle = sorted(w - g for w, g in zip(walls, gpu))
     return walls[len(walls) // 2], idle[len(idle) // 2]
+
+
+def fill_decode_batch(engine, batch: int, context: int, max_tokens: int) -> None:
+    """`batch` requests of ~`context` prompt tokens, prefilled: the next steps are decode-only."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    for i in range(batch):
+        request, _ = engine.make_request([(7 * i + j) % 8000 + 10 for j in range(context)], params,
+                                         request_id=f"step-{i}")
+        engine.add_request(request)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+
+
+def drain(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def profile_decode_steps(llm: LLM, batch: int, context: int, steps: int = 10) -> tuple[float, float, list]:
+    """Wall time per decode step, GPU kernel time per step, and the top kernels (name, ms per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    fill_decode_batch(engine, batch, context, steps + 8)
+    for _ in range(3):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+    with profile(activities=activities) as prof:
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = (time.perf_counter() - t0) / steps
+    drain(engine)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+    top = sorted(((e.key, e.self_device_time_total / 1e3 / steps) for e in kernels), key=lambda x: -x[1])[:12]
+    return wall, total, top
+
+
+def profile_host(llm: LLM, batch: int, context: int, steps: int = 10) -> str:
+    """cProfile of `steps` decode steps: where the host's time goes while the GPU waits."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = llm.engine
+    fill_decode_batch(engine, batch, context, steps + 8)
+    for _ in range(3):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    prof.disable()
+    drain(engine)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
 
 
 def free_gpu() -> None:
@@ -362,13 +448,13 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--hf-requests", type=int, default=128)
-    p.add_argument("--hf-batch-sizes", default="64,128")
+    p.add_argument("--hf-requests", type=int, default=64)
+    p.add_argument("--hf-batch-sizes", default="32,64")
     p.add_argument("--cb-output-len", type=int, default=256)
     p.add_argument("--step-batches", default="1,64,256")
     p.add_argument("--step-context", type=int, default=512)
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
-    p.add_argument("--only", default="tests,qwen3,fp8,hf,steps,llama8b")
+    p.add_argument("--only", default="tests,qwen3,fp8,fp8_quality,steps,profile,hf,llama8b")
     p.add_argument("--smoke", action="store_true", help="a tiny shape and workload, to check the script itself")
     args = p.parse_args()
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
@@ -385,9 +471,9 @@ def main() -> None:
             args.dtype = "float32"
     only = set(args.only.split(","))
     # cost estimates (s) on an H100, so a section that cannot finish is skipped, not cut off
-    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 90), ("fp8", bench.fp8, 120),
-                           ("steps", bench.steps, 60),
-                           ("hf", bench.hf, 200), ("llama8b", bench.llama8b, 90)]:
+    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 90), ("fp8", bench.fp8, 60),
+                           ("fp8_quality", bench.fp8_quality, 60), ("steps", bench.steps, 40),
+                           ("profile", bench.profile, 40), ("hf", bench.hf, 200), ("llama8b", bench.llama8b, 90)]:
         if name in only:
             bench.section(name, fn, 0 if args.smoke else cost)
     bench.table()

@@ -29,7 +29,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]  # runs from a checkout, installed or not
 
 from train_demo_model import cut_body, function_prompts, load_tokenizer, parses, split_files, token_stream  # noqa: E402
 

@@ -43,5 +43,18 @@ def test_fp8_checkpoint_equals_fp8_on_load(tmp_path):
                  "--output", str(tmp_path / "fp8")]) == 0
     llm, loaded = run(tmp_path / "fp8")
     assert type(llm.engine.runner.model.layers[0].mlp.down_proj.quant_method).__name__ == "Fp8LinearMethod"
-    _, on_load = run(DEFAULT_MODEL_DIR, quantization="fp8")
+    from_checkpoint = quantized_weights(llm)
+    del llm
+    llm, on_load = run(DEFAULT_MODEL_DIR, quantization="fp8")
+    made_on_load = quantized_weights(llm)
+    assert from_checkpoint.keys() == made_on_load.keys() and len(made_on_load) == 6 * 4  # qkv, o, gate_up, down
+    for name, (weight, scale) in made_on_load.items():  # the same bytes, quantized on the CPU or the GPU
+        assert torch.equal(from_checkpoint[name][1], scale), name
+        assert torch.equal(from_checkpoint[name][0].view(torch.uint8), weight.view(torch.uint8)), name
     assert [c.token_ids for c in loaded] == [c.token_ids for c in on_load]
+
+
+def quantized_weights(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every fp8 layer's weight and scale row, on the host."""
+    return {name: (m.weight.detach().cpu(), m.weight_scale_row.cpu())
+            for name, m in llm.engine.runner.model.named_modules() if hasattr(m, "weight_scale_row")}

@@ -140,7 +140,7 @@ class TorchBackend:
             b = len(group.tokens)
             qd = q.index_select(0, group.tokens).view(b, self.kv_heads, num_heads // self.kv_heads, self.head_dim)
             od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=group.valid)
-            out.index_copy_(0, group.tokens, od.view(b, num_heads, self.head_dim))
+            out.index_copy_(0, group.tokens, od.reshape(b, num_heads, self.head_dim))  # CUDA SDPA may return it strided
 
     def run_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cache: LayerCache) -> None:

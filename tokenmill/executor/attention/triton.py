@@ -257,9 +257,14 @@ class TritonBackend:
         # narrower at head dim 256, where the tile's registers run out
         self.tile_n = 16 if INTERPRET else (32 if self.d_pad >= 256 else 64)
         self.num_warps = 8 if self.d_pad >= 256 else 4
+        self.num_stages = 2
+        props = torch.cuda.get_device_properties(kv_cache.device) if kv_cache.device.type == "cuda" else None
+        # decode's key tile: 128 ran a layer faster alone on an H100 (66 vs 97 us at batch 64 x
+        # 512 tokens; benchmarks/triton_decode_tune.py) but not in the engine (its time per step,
+        # profiled on two H100 machines: 1.62 vs 1.49 ms at batch 64, 3.52 vs 3.40 at 256)
+        self.decode_tile_n = self.tile_n
         self.fixed_splits = num_splits
-        self.num_sms = (torch.cuda.get_device_properties(kv_cache.device).multi_processor_count
-                        if kv_cache.device.type == "cuda" else 1)
+        self.num_sms = props.multi_processor_count if props is not None else 1
         self.plan: TritonPlan | None = None
 
     @classmethod
@@ -303,7 +308,7 @@ class TritonBackend:
         if self.fixed_splits is not None:
             return self.fixed_splits
         want = -(-2 * self.num_sms // (num_decodes * self.kv_heads))
-        most = max(1, max_seq_len // (4 * self.tile_n))
+        most = max(1, max_seq_len // (4 * self.decode_tile_n))
         return max(1, min(want, most, 16))
 
     def decode_work(self, rows: torch.Tensor, num_splits: int) -> DecodeWork:
@@ -326,7 +331,8 @@ class TritonBackend:
                                            HEAD_DIM=self.head_dim, D_PAD=self.d_pad)
         out = torch.empty_like(q)
         common = dict(BLOCK_SIZE=self.block_size, TILE_N=self.tile_n, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
-                      UPCAST=self.upcast, PRECISION=self.precision, num_warps=self.num_warps, num_stages=2)
+                      UPCAST=self.upcast, PRECISION=self.precision, num_warps=self.num_warps,
+                      num_stages=self.num_stages)
         if plan.chunks is not None:
             work = plan.chunks
             _chunk_attention[(len(work.req), self.kv_heads)](
@@ -341,7 +347,7 @@ class TritonBackend:
                 out, d.part_out, d.part_lse, q, k_cache, v_cache, md.block_table, d.rows, md.query_start_loc,
                 md.seq_lens, self.scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 md.block_table.stride(0), stride_slot, stride_head, G=self.group, BLOCK_M=self.decode_block_m,
-                NUM_SPLITS=d.num_splits, **common)
+                NUM_SPLITS=d.num_splits, **{**common, "TILE_N": self.decode_tile_n})
             if d.num_splits > 1:
                 _merge_splits[(n, self.num_heads)](out, d.part_out, d.part_lse, d.rows, md.query_start_loc,
                                                    out.stride(0), out.stride(1), NUM_SPLITS=d.num_splits,

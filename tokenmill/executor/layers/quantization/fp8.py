@@ -19,7 +19,9 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric float8_e4m3fn per row of x [M, K]: (q, float32 scale [M, 1]), x ~ q * scale."""
-    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    # times the reciprocal, not / FP8_MAX: CUDA divides by a Python number that way, so a
+    # checkpoint quantized on the CPU gets the scales (and codes) the GPU makes on load
+    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * (1.0 / FP8_MAX)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
