@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,3 +59,12 @@ def test_profile_forward_runs_the_largest_step_on_a_throwaway_cache(checkpoints,
     runner = llm.engine.runner
     profile_forward(runner, 40)  # 6 requests of 6-7 tokens, logits and sampling for 6 rows
     assert not runner.kv_cache.data.any()  # the engine's own cache was not touched
+
+
+def test_step_block_tables_are_zero_padded_rows():
+    """The runner's block table: each request's (scattered) block ids, then zeros."""
+    from tokenmill.executor.model_runner import pad_rows
+
+    table = pad_rows([[7, 3, 9], [12], [], [5, 1]])
+    assert table.dtype == np.int32
+    assert table.tolist() == [[7, 3, 9], [12, 0, 0], [0, 0, 0], [5, 1, 0]]

@@ -46,3 +46,25 @@ def test_stop_strings_across_token_boundaries(tok, stop, include, expect):
     d, deltas, hit = stream(tok, TEXT, stop, include)
     assert hit is not None and d.text == expect
     assert "".join(deltas) == expect  # nothing past the stop string was ever streamed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_many_tokens_at_once_give_the_token_by_token_text(tok, seed):
+    """A final_only output is decoded in one go: the same text as one token at a time, with
+    characters split across tokens and random ids (some ending inside a character)."""
+    import random
+
+    rng = random.Random(seed)
+    ids = tok.encode(TEXT * 3).ids
+    ids = ids + [rng.randrange(tok.get_vocab_size()) for _ in range(200)]
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    prompt = tok.encode("print(").ids
+    for cut in (len(ids), len(ids) - 1, rng.randrange(2, len(ids))):
+        one_by_one = IncrementalDetokenizer(decode, prompt, [])
+        for i in ids[:cut]:
+            one_by_one.add([i])
+        together = IncrementalDetokenizer(decode, prompt, [])
+        together.add(ids[:cut // 2])
+        together.add(ids[cut // 2:cut])
+        assert together.text == one_by_one.text
+        assert together.delta(finished=True) == one_by_one.delta(finished=True)

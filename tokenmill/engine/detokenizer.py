@@ -36,6 +36,8 @@ class IncrementalDetokenizer:
         """Appends tokens to the text; returns the stop string hit, if any (the text is
         then cut at it, and the tokens after the one that completed it are not taken)."""
         self.num_added = len(token_ids)
+        if not self.stop and len(token_ids) > 1 and self._add_all(token_ids):
+            return None
         for i, token in enumerate(token_ids):
             self.tokens.append(token)
             prefix = self.decode(self.tokens[self.prefix_offset:self.read_offset])
@@ -49,6 +51,21 @@ class IncrementalDetokenizer:
                     self.num_added = i + 1
                     return hit
         return None
+
+    def _add_all(self, token_ids: list[int]) -> bool:
+        """Many tokens and no stop strings (a final_only request's whole output): one decode
+        of the window gives the text the token-by-token loop builds, unless it ends inside a
+        character; then nothing is taken and the loop runs."""
+        tokens = self.tokens + token_ids
+        full = self.decode(tokens[self.prefix_offset:])
+        if full.endswith("\ufffd"):
+            return False
+        prefix = self.decode(tokens[self.prefix_offset:self.read_offset])
+        self.tokens = tokens
+        if len(full) > len(prefix):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
+        return True
 
     def _find_stop(self, new_from: int) -> str | None:
         if not self.stop:

@@ -204,6 +204,13 @@ class KVCacheManager:
         """Gives the request room for `num_new_tokens` more tokens, after taking
         `new_computed_blocks` (a prefix hit) into its table. False if it does not fit;
         then nothing changed."""
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks and not new_computed_blocks:  # most decode steps: the blocks it holds have room
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(blocks) * self.block_size and not self._needs_copy(request):
+                if self.enable_prefix_caching:
+                    self._register_full_blocks(request, min(end, request.num_tokens))
+                return True
         if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
             return False
         if self.enable_prefix_caching and request.request_id not in self.req_blocks:

@@ -35,6 +35,16 @@ def graph_buckets(max_batch_size: int) -> list[int]:
     return sorted({min(b, max_batch_size) for b in buckets})
 
 
+def _padded(array: np.ndarray, pad: int, fill: int = 0) -> np.ndarray:
+    """array with `pad` more rows of `fill` (np.pad's Python costs more than the copy)."""
+    if pad == 0:
+        return array
+    out = np.empty((len(array) + pad, *array.shape[1:]), dtype=array.dtype)
+    out[:len(array)] = array
+    out[len(array):] = fill
+    return out
+
+
 class EagerReplay:
     """A stand-in for a CUDA graph where there is no CUDA: replay re-runs the forward on the
     same static buffers and plan, so the buffer, padding and bucket logic runs in the CPU
@@ -132,11 +142,11 @@ class CudaGraphRunner:
         b = next(x for x in self.buckets if x >= n)
         pad = b - n
         put = self.runner.staging.to_device
-        put(np.pad(input_ids, (0, pad)), out=self.input_ids[:b])
-        put(np.pad(positions, (0, pad)), out=self.positions[:b])
-        put(np.pad(slot_mapping, (0, pad), constant_values=-1), out=self.slot_mapping[:b])
-        put(np.pad(seq_lens, (0, pad)), out=self.seq_lens[:b])
-        put(np.pad(block_table, ((0, pad), (0, 0))), out=self.block_table[:b, :block_table.shape[1]])
+        put(_padded(input_ids, pad), out=self.input_ids[:b])
+        put(_padded(positions, pad), out=self.positions[:b])
+        put(_padded(slot_mapping, pad, -1), out=self.slot_mapping[:b])
+        put(_padded(seq_lens, pad), out=self.seq_lens[:b])
+        put(_padded(block_table, pad), out=self.block_table[:b, :block_table.shape[1]])
         captured = self.graphs[b]
         captured.graph.replay()
         return captured.hidden[:n]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import chain
 
 import numpy as np
 import torch
@@ -101,20 +102,22 @@ class ModelRunner(CacheOwner):
                                              out.spec_token_ids):
             input_ids.extend(request.all_token_ids[start:start + n])
             input_ids.extend(drafts)  # scheduled after the known tokens
-        block_table = np.zeros((len(query_lens), max(len(b) for b in out.block_tables)), dtype=np.int32)
-        for i, blocks in enumerate(out.block_tables):
-            block_table[i, :len(blocks)] = blocks
+        block_table = pad_rows(out.block_tables)
         positions, slot_mapping = token_slots(query_lens, computed, block_table, bs)
         seq_lens = (computed + query_lens).astype(np.int32)
         # each sampling request's last token (with k drafts: its last k + 1); a sequence forked
         # this step samples from its parent's last token
         ends = np.cumsum(query_lens, dtype=np.int64)
-        logits_rows: list[int] = []
-        num_rows: list[int] = []  # per sampling request
-        for i, drafts in enumerate(out.spec_token_ids):
-            if out.samples(i):
-                logits_rows.extend(range(ends[i] - len(drafts) - 1, ends[i]))
-                num_rows.append(len(drafts) + 1)
+        if any(out.spec_token_ids):
+            logits_rows: list[int] = []
+            num_rows: list[int] = []  # per sampling request
+            for i, drafts in enumerate(out.spec_token_ids):
+                if out.samples(i):
+                    logits_rows.extend(range(ends[i] - len(drafts) - 1, ends[i]))
+                    num_rows.append(len(drafts) + 1)
+        else:  # one row per sampling request (most steps): its last token
+            logits_rows = (ends - 1)[np.fromiter(out.sampling, dtype=bool, count=len(out.sampling))].tolist()
+            num_rows = [1] * len(logits_rows)
         for i, _ in out.forked:
             logits_rows.append(ends[i] - 1)
             num_rows.append(1)
@@ -283,6 +286,16 @@ class ModelRunner(CacheOwner):
             drafts=put(np.array(drafts, dtype=np.int64)) if drafts and not all_greedy else None,
             draft_seeds=draft_seeds,
         )
+
+
+def pad_rows(rows: list[list[int]]) -> np.ndarray:
+    """The lists as the rows of one int32 array, zeros after each (one pass in numpy, not one
+    assignment per row: a step of 256 requests has 256 block lists)."""
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    table = np.zeros((len(rows), int(lens.max(initial=0))), dtype=np.int32)
+    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(chain.from_iterable(rows), dtype=np.int32,
+                                                                   count=int(lens.sum()))
+    return table
 
 
 def _bad_word_ends(request: Request) -> list[int]:
