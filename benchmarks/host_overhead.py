@@ -7,8 +7,11 @@ On an H100 the GPU sat idle for about half of each decode step of the Qwen3-0.6B
 set the pace. This measures that Python on the CPU. A one-layer model of hidden size 64
 makes the forward cheap; its forward, logits and sampler (the work a GPU would do) are
 timed apart and taken out, and what is left is the host's part: scheduling, building
-the step's inputs, the sampling settings, appending tokens, stop checks and outputs.
-Requests are final_only, as LLM.generate and the throughput benchmarks add them.
+the step's inputs, the sampling settings, appending tokens, stop checks and outputs
+(the sampler's own Python, a list of ids, counts as device work here). Requests are
+final_only, as LLM.generate and the throughput benchmarks add them, and none finishes
+within the timed steps. The CPU runs no CUDA graphs, so the graph runner's part of the
+host's work is not in these figures.
 Prints the host time per step and per request; the median of --rounds rounds.
 """
 
@@ -58,7 +61,7 @@ def host_time(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, fl
 
     def timed(obj, name):
         fn = getattr(obj, name)
-        originals[(obj, name)] = fn
+        originals[(obj, name)] = fn if name in vars(obj) else None  # None: the class's method
 
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
@@ -80,7 +83,10 @@ def host_time(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, fl
         total = time.perf_counter() - t0
     finally:
         for (obj, name), fn in originals.items():
-            setattr(obj, name, fn)
+            if fn is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, fn)
     while engine.has_unfinished_requests():
         engine.step()
     return total / steps, (total - device_work[0]) / steps

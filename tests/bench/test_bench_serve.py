@@ -42,7 +42,9 @@ def test_known_timing(known_server, tmp_path, concurrency, endpoint):
     if concurrency == 1:  # one after another: the client's own time between them counts too (a busy
         # machine once put 28 ms between each, 2.29 s for 8 requests of 0.25 s)
         ordered = sorted(r["requests"], key=lambda x: x["start"])
-        sent_late = sum(max(0.0, b["start"] - a["end"]) for a, b in zip(ordered, ordered[1:]))
+        gaps = [max(0.0, b["start"] - a["end"]) for a, b in zip(ordered, ordered[1:])]
+        assert max(gaps) < 0.1, gaps  # the next request goes as soon as one ends, not after a pause
+        sent_late = sum(gaps)
     assert expected_duration - 0.01 <= r["duration"] <= expected_duration * 1.1 + 0.03 + late / 1000 + sent_late
     assert len(r["requests"]) == n and all(len(x["chunk_times"]) == 21 for x in r["requests"])
     assert r["token_counts"] == f"the server's usage: {n} requests"
