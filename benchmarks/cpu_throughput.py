@@ -56,7 +56,7 @@ import torch
 
 from tokenmill import LLM
 from tokenmill.bench.hf_baseline import hf_static_throughput
-from tokenmill.bench.offline import run_throughput
+from tokenmill.bench.offline import copy_tokenizer, run_throughput
 from tokenmill.bench.workloads import random_requests
 
 SHAPE_56M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -65,18 +65,13 @@ SHAPE_56M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_
 
 def make_checkpoint(root: Path) -> Path:
     """The 56M Llama with random weights, saved by transformers in bfloat16 (same weights for both sides)."""
-    import shutil
-
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tokenmill.config import DEFAULT_MODEL_DIR
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE_56M, bos_token_id=0, eos_token_id=0)).to(torch.bfloat16)
     path = root / "llama-56m"
     model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(DEFAULT_MODEL_DIR / f, path / f)
+    copy_tokenizer(path)
     return path
 
 
@@ -284,8 +279,7 @@ def bench_int8(path: Path, args) -> dict:
 
     wide = path.parent / "llama-wide"
     LlamaConfig(**SHAPE_WIDE, bos_token_id=0, eos_token_id=0).save_pretrained(wide)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (wide / f).write_bytes((path / f).read_bytes())
+    copy_tokenizer(wide)
     cases = (("56m", path, {}, random_requests(64, (32, 256), (32, 256), SHAPE_56M["vocab_size"], seed=0)),
              ("wide", wide, {"load_format": "dummy"}, random_requests(32, (32, 128), (32, 128), 32000, seed=1)))
     out = {}

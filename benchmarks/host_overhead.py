@@ -26,36 +26,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM  # noqa: E402
+from tokenmill.bench.offline import copy_tokenizer  # noqa: E402
+from tokenmill.bench.steps import drain, fill_decode_batch  # noqa: E402
 
 
 def make_model(root: Path) -> Path:
     import torch
     import transformers
 
-    from tokenmill.config import DEFAULT_MODEL_DIR
-
     config = transformers.Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=4096, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(config).save_pretrained(root)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (root / f).write_bytes((DEFAULT_MODEL_DIR / f).read_bytes())
+    copy_tokenizer(root)
     return root
 
 
 def host_time(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, float]:
     """(seconds per decode step in all, of which the host's part)."""
     engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
-    for i in range(batch):
-        request, _ = engine.make_request([(7 * i + j) % 8000 + 10 for j in range(context)], params,
-                                         request_id=f"host-{i}")
-        engine.add_request(request, final_only=True)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        engine.step()
+    fill_decode_batch(engine, batch, context, steps + 8, final_only=True, detokenize=True)
     device_work = [0.0]
     originals = {}
 
@@ -87,8 +79,7 @@ def host_time(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, fl
                 delattr(obj, name)
             else:
                 setattr(obj, name, fn)
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine)
     return total / steps, (total - device_work[0]) / steps
 
 

@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -32,8 +31,8 @@ import urllib.request
 from pathlib import Path
 
 from tokenmill.bench.client import run_benchmark
+from tokenmill.bench.offline import copy_tokenizer
 from tokenmill.bench.workloads import random_requests
-from tokenmill.config import DEFAULT_MODEL_DIR
 
 # the 56M shape of cpu_throughput.py with the built-in tokenizer's vocabulary, so that every
 # generated token decodes to text and the server streams a chunk for it
@@ -47,8 +46,7 @@ def make_model_dir(root: Path) -> Path:
     path = root / "llama-bench"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(SHAPE))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(DEFAULT_MODEL_DIR / f, path / f)
+    copy_tokenizer(path)
     return path
 
 

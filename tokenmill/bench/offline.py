@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from tokenmill.bench.workloads import BenchRequest
+from tokenmill.config import DEFAULT_MODEL_DIR
 from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(path: Path) -> None:
+    """The built-in model's tokenizer files into a checkpoint directory a benchmark made."""
+    for f in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / f, path / f)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,125 @@
+"""Timing the engine's decode steps: a batch of requests past their prompts, then steps
+that compute one token each. Used by benchmarks/gpu_throughput.py (step times against the
+memory roofline, the torch profiler's and cProfile's view of a step) and
+benchmarks/host_overhead.py (the host's share of a step on the CPU)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenmill.llm import LLM
+from tokenmill.sampling_params import SamplingParams
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _sync() -> None:
+    if _cuda():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read plus written per second (best of 10)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / best
+
+
+def decode_step_time(llm: LLM, batch: int, context: int, steps: int = 30) -> tuple[float, float]:
+    """Median wall time of a decode-only step of `batch` requests at ~`context` tokens, and
+    the GPU's idle time per step (wall time minus the time the GPU spent in the step)."""
+    engine = llm.engine
+    fill_decode_batch(engine, batch, context, steps + 8)  # prompts first: what is timed are decode-only steps
+    walls, gpu = [], []
+    for _ in range(steps):
+        ev0, ev1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if _cuda() \
+            else (None, None)
+        _sync()
+        t0 = time.perf_counter()
+        if ev0 is not None:
+            ev0.record()
+        engine.step()
+        if ev1 is not None:
+            ev1.record()
+        _sync()
+        walls.append(time.perf_counter() - t0)
+        gpu.append(ev0.elapsed_time(ev1) / 1e3 if ev0 is not None else walls[-1])
+    drain(engine)
+    walls.sort()
+    idle = sorted(w - g for w, g in zip(walls, gpu))
+    return walls[len(walls) // 2], idle[len(idle) // 2]
+
+
+def fill_decode_batch(engine, batch: int, context: int, max_tokens: int, final_only: bool = False,
+                      detokenize: bool = False) -> None:
+    """`batch` greedy requests of `context` prompt tokens, prefilled: the next steps are decode-only."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=detokenize)
+    for i in range(batch):
+        request, _ = engine.make_request([(7 * i + j) % 8000 + 10 for j in range(context)], params,
+                                         request_id=f"step-{i}")
+        engine.add_request(request, final_only=final_only)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+
+
+def drain(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def profile_decode_steps(llm: LLM, batch: int, context: int, steps: int = 10) -> tuple[float, float, list]:
+    """Wall time per decode step, GPU kernel time per step, and the top kernels (name, ms per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    fill_decode_batch(engine, batch, context, steps + 8)
+    for _ in range(3):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+    with profile(activities=activities) as prof:
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = (time.perf_counter() - t0) / steps
+    drain(engine)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+    top = sorted(((e.key, e.self_device_time_total / 1e3 / steps) for e in kernels), key=lambda x: -x[1])[:12]
+    return wall, total, top
+
+
+def profile_host(llm: LLM, batch: int, context: int, steps: int = 10) -> str:
+    """cProfile of `steps` decode steps: where the host's time goes while the GPU waits."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = llm.engine
+    fill_decode_batch(engine, batch, context, steps + 8)
+    for _ in range(3):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    prof.disable()
+    drain(engine)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
