@@ -13,8 +13,9 @@ rate (hit tokens / looked-up tokens, from /metrics), output tokens/s and p99 TTF
 Targets: hit rate >= 1.8x round-robin's, throughput >= 1.3x.
 
 scaling: serve_throughput.py's random workload (64 prompts, 32..256 in and out, all in
-flight) on --data-parallel-size 2 (1 core each) and on one engine with both cores. No
-target: see the README for what this machine can and cannot show.
+flight) on one engine with both cores, on --data-parallel-size 2 (1 core each) and on
+--tensor-parallel-size 2 (two gloo ranks of 1 core each). No target: see the README for
+what this machine can and cannot show.
 
 Model: serve_throughput.py's random Llama (hidden 512, 8 layers, vocabulary 8,192), dummy
 weights, max_model_len 2,048.
@@ -108,13 +109,15 @@ def main() -> None:
                   f"{rr['p99_ttft_ms'] / px['p99_ttft_ms']:.2f}x better")
         if "scaling" in only:
             requests = random_requests(64, (32, 256), (32, 256), SHAPE["vocab_size"], seed=0)
-            for name, flags in (("one_engine_2_cores", []), ("dp2_1_core_each", ["--data-parallel-size", "2"])):
+            for name, flags in (("one_engine_2_cores", []), ("dp2_1_core_each", ["--data-parallel-size", "2"]),
+                                ("tp2_1_core_each", ["--tensor-parallel-size", "2"])):
                 r = serve(model, args.port, flags, requests, 64)
                 results[name] = r
                 print(f"{name:18s}: {r['output_throughput']:,.1f} output tok/s, median TTFT "
                       f"{r['median_ttft_ms']:,.0f} ms, {r['elapsed_s']:.1f} s", flush=True)
-            print(f"data parallel 2x1 / one engine on 2 cores: "
-                  f"{results['dp2_1_core_each']['output_throughput'] / results['one_engine_2_cores']['output_throughput']:.3f}")
+            base = results["one_engine_2_cores"]["output_throughput"]
+            print(f"data parallel 2x1 / one engine on 2 cores: {results['dp2_1_core_each']['output_throughput'] / base:.3f}; "
+                  f"tensor parallel 2x1 / one engine: {results['tp2_1_core_each']['output_throughput'] / base:.3f}")
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(results, indent=2))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -97,4 +98,15 @@ def test_serve_refuses_tenant_flags_that_do_not_go_together(argv, message, capsy
     (tmp_path / "t.json").write_text('{"tenants": [{"name": "a", "api_keys": ["k"]}]}')
     argv = [a.replace("t.json", str(tmp_path / "t.json")) for a in argv]
     assert main(["serve", *argv, "--model", "/nonexistent/dir"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ray-address", "auto"], "--ray-address is for --distributed-executor-backend ray"),
+    (["--distributed-executor-backend", "ray", "--engine-in-thread"], "drop --engine-in-thread"),
+    (["--distributed-executor-backend", "ray"], "needs Ray: pip install 'tokenmill[ray]'"),
+])
+def test_serve_refuses_ray_flags_that_cannot_run(argv, message, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed: `import ray` fails
+    assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -129,6 +129,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 | int8
     # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+    # ranks that split each layer (executor/distributed): gloo on the CPU, NCCL on CUDA
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
@@ -162,6 +164,13 @@ class EngineConfig:
             _at_least("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
         if self.num_threads is not None:
             _at_least("num_threads", self.num_threads, 1)
+        _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1:
+            for name, value, off in (("speculative_config", self.speculative_config, None),
+                                     ("quantization", self.quantization, "auto"),
+                                     ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
+                if value != off and not (name == "quantization" and value == "none"):
+                    raise ValueError(f"tensor_parallel_size > 1 does not run with {name} (given {value!r}) yet")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None \
                 and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

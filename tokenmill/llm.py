@@ -75,6 +75,10 @@ class LLM:
             self.engine.add_request(request, text, final_only=True)
         return self._run(batch, use_tqdm)
 
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor_parallel_size > 1); the LLM is unusable after."""
+        self.engine.shutdown()
+
     def _run(self, batch: list[tuple[int, Request, str | None]], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(batch), desc="generate", unit="req", disable=not use_tqdm or len(batch) < 2,

@@ -21,6 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineClient
 from tokenmill.engine.core_client import EngineCoreClient
 from tokenmill.engine.dp_client import DataParallelClient
+from tokenmill.router.summary import PrefixCacheLog
 from tokenmill.server.api import build_app
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.tenancy import make_tenancy
@@ -28,11 +29,11 @@ from tokenmill.server.tenancy import make_tenancy
 MODEL_NAME = "tiny"
 
 
-def launch_serve(log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`tokenmill serve FLAGS` on a free port as a process of its own, logging to `log_path`;
-    returns it and its URL once /health answers."""
-    port = free_port()
-    with open(log_path, "w") as log:
+def launch_serve(log_path: Path, *flags: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`tokenmill serve FLAGS` on `port` (default: a free one) as a process of its own, logging
+    to `log_path`; returns it and its URL once /health answers."""
+    port = port or free_port()
+    with open(log_path, "a") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *flags],
                                 stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -59,6 +60,7 @@ class RunningServer:
     engine: EngineClient
     server: uvicorn.Server
     thread: threading.Thread
+    prefix_cache: PrefixCacheLog
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics (parsed by prometheus_client), keyed `name{label=value,...}`."""
@@ -96,23 +98,29 @@ class RunningServer:
 
 def start_server(api_key: str | None = None, max_waiting_requests: int = 1024, tenancy: dict | None = None,
                  access_log: bool = False, engine_process: bool = False, restart_engine: bool = False,
-                 data_parallel_size: int = 1, **engine_args) -> RunningServer:
-    """`tenancy`: make_tenancy's arguments (tenants_file, admin_key, limits_db, limits_store, ...)."""
+                 data_parallel_size: int = 1, ray: bool = False, **engine_args) -> RunningServer:
+    """`tenancy`: make_tenancy's arguments (tenants_file, admin_key, limits_db, limits_store, ...);
+    `ray`: the data-parallel replicas are actors of the Ray cluster this process is connected to."""
     # float32: a CPU with bfloat16 would pick it, and tests compare with float32 references
     engine_args = {"max_model_len": 256, "kv_cache_memory": "16MiB", "max_num_seqs": 64, "dtype": "float32",
                    **engine_args}
     metrics = ServerMetrics(MODEL_NAME)
     tenants = None if tenancy is None else make_tenancy(metrics, **tenancy)
     config = EngineConfig(**engine_args)
+    prefix_cache = PrefixCacheLog(config.block_size, config.enable_prefix_caching)  # as `tokenmill serve` keeps it
     if data_parallel_size > 1:
         engine: EngineClient = DataParallelClient(config, data_parallel_size, max_waiting_requests, observer=metrics,
-                                                  restart=restart_engine, check_integrity=True)
+                                                  restart=restart_engine, check_integrity=True,
+                                                  on_kv_events=prefix_cache.apply, ray=ray)
     elif engine_process:
         engine = EngineCoreClient(config, max_waiting_requests=max_waiting_requests, observer=metrics,
-                                  restart=restart_engine, check_integrity=True)
+                                  restart=restart_engine, check_integrity=True,
+                                  on_kv_events=lambda events: prefix_cache.apply(0, events))
     else:
-        engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics)
-    app = build_app(engine, [MODEL_NAME], metrics, api_key=api_key, tenancy=tenants, access_log=access_log)
+        engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics,
+                             on_kv_events=lambda events: prefix_cache.apply(0, events))
+    app = build_app(engine, [MODEL_NAME], metrics, api_key=api_key, tenancy=tenants, access_log=access_log,
+                    prefix_cache=prefix_cache)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -122,7 +130,7 @@ def start_server(api_key: str | None = None, max_waiting_requests: int = 1024, t
         if time.time() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    return RunningServer(f"http://127.0.0.1:{port}", engine, server, thread)
+    return RunningServer(f"http://127.0.0.1:{port}", engine, server, thread, prefix_cache)
 
 
 @pytest.fixture(scope="module")

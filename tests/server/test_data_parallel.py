@@ -15,7 +15,8 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, start_server
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.dp_client import split_cpus
+from tokenmill.executor.distributed.parallel import split_cpus
+from tokenmill.router.summary import Summary
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two replicas need two cores")
 
@@ -63,6 +64,9 @@ def test_prefix_groups_stay_on_one_replica_with_offline_answers(dp_server):
     assert router.held[0] and router.held[1] and not router.held[0].keys() & router.held[1].keys()
     m = dp_server.wait_idle()
     assert m["tokenmill:prefix_cache_hits_total"] >= 2 * 3 * 80  # 3 of each prefix's 4 requests hit it
+    # the server's prefix-cache summary (for a router in front of several servers) is the union
+    summary = Summary.parse(httpx.get(f"{dp_server.url}/v1/prefix_cache").json())
+    assert set(summary.stored) == router.held[0].keys() | router.held[1].keys()
     assert m["tokenmill:num_requests_running"] == 0 and m["tokenmill:kv_cache_usage_perc"] == 0.0
 
 
@@ -79,12 +83,14 @@ def test_a_dead_replica_is_routed_around(dp_server):
         assert _complete(dp_server.url, _prefix(seed))["finish_reason"] == "length"
     assert dp_server.engine.router.num_routed == [before[0], before[1] + 4]
     assert not dp_server.engine.router.held[0]  # what the dead replica held is forgotten
+    assert dp_server.prefix_cache.held == dp_server.engine.router.held[1].keys()  # by the summary too
 
 
 def test_replicas_split_the_cores():
     cores = sorted(os.sched_getaffinity(0))
-    assert split_cpus(2, None) == [cores[:len(cores) // 2], cores[len(cores) // 2:2 * (len(cores) // 2)]]
+    half = len(cores) // 2
+    assert split_cpus(2, None, "--data-parallel-size") == [cores[:half], cores[half:2 * half]]
     with pytest.raises(ValueError, match="--data-parallel-size"):
-        split_cpus(len(cores) + 1, None)
+        split_cpus(len(cores) + 1, None, "--data-parallel-size")
     with pytest.raises(ValueError, match="--num-threads"):
-        split_cpus(2, len(cores) + 1)
+        split_cpus(2, len(cores) + 1, "--data-parallel-size")

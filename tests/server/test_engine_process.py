@@ -186,3 +186,44 @@ def test_serve_runs_the_engine_in_a_child_that_exits_with_its_server(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_tensor_parallel_core_answers_as_offline_and_stops_its_workers():
+    """`serve --tensor-parallel-size 2`: the core process is rank 0 and starts rank 1 beside it;
+    stopping the server stops both."""
+    srv = start_server(engine_process=True, tensor_parallel_size=2, num_threads=2)
+    try:
+        workers = _children(srv.engine.pid)
+        assert len(workers) == 1 and _alive(workers[0])
+        llm = LLM(max_model_len=256, kv_cache_memory="16MiB", dtype="float32")
+        offline = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+        for prompt, out in zip(PROMPTS, offline):
+            assert _complete(srv.url, prompt)["choices"][0]["text"] == out.outputs[0].text
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 10
+    while _alive(workers[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(workers[0])
+
+
+def test_a_dead_tensor_parallel_worker_ends_the_core():
+    """A rank that dies leaves a core that cannot step: the request in flight fails, the core
+    ends, and the server answers 503 (with --restart-engine a new core and workers come up)."""
+    srv = start_server(engine_process=True, tensor_parallel_size=2, num_threads=2)
+    try:
+        [worker] = _children(srv.engine.pid)
+        os.kill(worker, signal.SIGKILL)
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 8},
+                       timeout=30)
+        assert r.status_code == 500 and "tensor-parallel worker 1 failed" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 2
+        while httpx.get(f"{srv.url}/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health still passes with a dead worker"
+            time.sleep(0.05)
+    finally:
+        srv.stop()

@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -151,8 +151,11 @@ class AsyncEngine(EngineClient):
     """The engine on a thread of this process (tests reach into `self.engine`)."""
 
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None,
+                 on_kv_events: Callable[[list[tuple[bool, bytes]]], None] | None = None) -> None:
         super().__init__(max_waiting_requests, observer)
+        # on the event loop: the (stored?, block hash) events of the steps since the last call
+        self.on_kv_events = on_kv_events
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._num_inbox_adds = 0  # adds sent by the event loop
         self._wakeup = threading.Event()
@@ -210,6 +213,8 @@ class AsyncEngine(EngineClient):
         try:
             self.engine = Engine(config)
             self.core = EngineCore(self.engine)
+            if self.on_kv_events is not None:
+                self.engine.kv_cache.pool.events = []
         except BaseException as e:  # noqa: BLE001 - re-raised by __init__ on the caller's thread
             self.error = e
             return
@@ -226,7 +231,7 @@ class AsyncEngine(EngineClient):
                 outputs = self._drain_inbox()
                 if engine.has_unfinished_requests():
                     outputs += self.core.step()
-                if outputs:
+                if outputs or engine.kv_cache.pool.events:
                     self._publish(outputs)
                 if not engine.has_unfinished_requests() and not self._stopping:
                     self._wakeup.wait()
@@ -240,6 +245,7 @@ class AsyncEngine(EngineClient):
                                                 f"engine error: {self.error}")
             if outputs:
                 self._publish(outputs)
+            engine.shutdown()
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -255,11 +261,21 @@ class AsyncEngine(EngineClient):
     def _publish(self, outputs: list[RequestOutput]) -> None:
         # the observer runs on the event loop, off the engine's critical path
         stats = self.engine.stats() if self.observer is not None else None
+        events = self.engine.kv_cache.pool.take_events()
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs, stats, time.time())
+            self._loop.call_soon_threadsafe(self._on_step, outputs, stats, time.time(), events)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _on_step(self, outputs: list[RequestOutput], stats: dict[str, float] | None, now: float,
+                 events: list[tuple[bool, bytes]]) -> None:
+        if events and self.on_kv_events is not None:
+            try:
+                self.on_kv_events(events)
+            except Exception:  # noqa: BLE001 - a prefix-cache mirror never stops the outputs
+                logger.exception("prefix-cache event listener failed")
+        self._dispatch(outputs, stats, now)
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:

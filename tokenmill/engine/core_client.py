@@ -36,6 +36,7 @@ from tokenmill.engine.detokenizer import load_tokenizer
 from tokenmill.engine.grammar import Grammars
 from tokenmill.engine.input_processor import EngineLimits, InputProcessor
 from tokenmill.engine.outputs import failed_output
+from tokenmill.engine.ray_core import RayCoreProcess, import_ray
 from tokenmill.engine.request import Request, RequestOutput
 from tokenmill.executor.loader import resolve_model_path
 
@@ -54,31 +55,41 @@ class EngineCoreError(RuntimeError):
 
 class _Core:
     """One engine-core process and the sockets to it. The output socket belongs to the output
-    thread, the input socket to the event loop (zmq sockets are not thread-safe)."""
+    thread, the input socket to the event loop (zmq sockets are not thread-safe). `ray_cpus`:
+    the core runs as a Ray actor (ray_core.py) that reserves this many CPUs, over TCP on the
+    nodes' addresses; None: a subprocess of this one, over Unix sockets."""
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context, directory: str, generation: int,
-                 check_integrity: bool, ready_timeout: float, cpus: list[int] | None, kv_events: bool) -> None:
-        input_addr = f"ipc://{directory}/in-{generation}"
-        output_addr = f"ipc://{directory}/out-{generation}"
+                 check_integrity: bool, ready_timeout: float, cpus: list[int] | None, kv_events: bool,
+                 ray_cpus: int | None = None) -> None:
         self.ready_timeout = ready_timeout
         self.limits: EngineLimits | None = None
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | RayCoreProcess | None = None
         self.outputs = ctx.socket(zmq.PULL)
-        self.inputs = ctx.socket(zmq.PUSH)  # connects first: messages wait for the core's bind
+        self.inputs = ctx.socket(zmq.PUSH)  # connected once the core says where it listens
         try:
-            self.outputs.bind(output_addr)
+            if ray_cpus is None:
+                input_addr = f"ipc://{directory}/in-{generation}"
+                output_addr = f"ipc://{directory}/out-{generation}"
+                self.outputs.bind(output_addr)
+            else:
+                input_addr = ""  # the actor binds on its node
+                ip = import_ray().util.get_node_ip_address()
+                output_addr = f"tcp://{ip}:{self.outputs.bind_to_random_port(f'tcp://{ip}')}"
             self.inputs.setsockopt(zmq.SNDHWM, 0)
             self.inputs.setsockopt(zmq.LINGER, 0)
-            self.inputs.connect(input_addr)
-            # a plain subprocess (not multiprocessing's spawn, which re-runs the caller's main module)
-            self.process = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"],
-                                            stdin=subprocess.PIPE)
             args = dict(config=config, input_addr=input_addr, output_addr=output_addr,
                         check_integrity=check_integrity, cpus=cpus, kv_events=kv_events,
                         log_level=logging.getLogger("tokenmill").getEffectiveLevel())
-            assert self.process.stdin is not None
-            self.process.stdin.write(pickle.dumps(args))
-            self.process.stdin.close()
+            if ray_cpus is not None:
+                self.process = RayCoreProcess(args, ray_cpus, ready_timeout)
+            else:
+                # a plain subprocess (not multiprocessing's spawn, which re-runs the caller's main module)
+                self.process = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"],
+                                                stdin=subprocess.PIPE)
+                assert self.process.stdin is not None
+                self.process.stdin.write(pickle.dumps(args))
+                self.process.stdin.close()
         except BaseException:
             self.kill()
             self.close()
@@ -106,8 +117,9 @@ class _Core:
         kind, payload = pickle.loads(self.outputs.recv())
         if kind == "error":
             raise EngineCoreError(payload)
-        self.limits = payload
-        return payload
+        self.limits, input_endpoint = payload
+        self.inputs.connect(input_endpoint)
+        return self.limits
 
     @property
     def returncode(self) -> int | None:
@@ -134,15 +146,18 @@ _LOAD = object()  # EngineCoreClient's tokenizer: load the checkpoint's
 class EngineCoreClient(EngineClient):
     """The engine in its own process. `restart`: a core that dies is replaced by a new one
     (the requests it held fail); without it the server answers 503 from then on. `tokenizer`:
-    one already loaded (data parallel: one for all replicas)."""
+    one already loaded (data parallel: one for all replicas). `ray_cpus`: the core is a Ray
+    actor reserving that many CPUs on a node Ray chooses (connect to the cluster first:
+    ray_core.connect_ray); None: a subprocess of this process."""
 
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024,
                  observer: StepObserver | None = None, restart: bool = False, check_integrity: bool = False,
                  ready_timeout: float = 900.0, cpus: list[int] | None = None,
                  on_kv_events: Callable[[list[tuple[bool, bytes]] | None], None] | None = None,
-                 tokenizer: Any = _LOAD) -> None:
+                 tokenizer: Any = _LOAD, ray_cpus: int | None = None) -> None:
         super().__init__(max_waiting_requests, observer)
         self.cpus = cpus
+        self.ray_cpus = ray_cpus
         # on the event loop: each step's (stored?, block hash) events; None when the core died,
         # taking everything it held with it
         self.on_kv_events = on_kv_events
@@ -170,7 +185,7 @@ class EngineCoreClient(EngineClient):
         self._stop_time = 0.0
         try:
             core = _Core(config, self._ctx, self._dir, self._next_generation(), check_integrity, ready_timeout, cpus,
-                         on_kv_events is not None)
+                         on_kv_events is not None, ray_cpus)
             self._core = core
             if tokenizer is _LOAD:  # while the core loads the model
                 tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or model_path)
@@ -194,7 +209,7 @@ class EngineCoreClient(EngineClient):
 
     def _launch(self) -> _Core:
         core = _Core(self.config, self._ctx, self._dir, self._next_generation(), self.check_integrity,
-                     self.ready_timeout, self.cpus, self.on_kv_events is not None)
+                     self.ready_timeout, self.cpus, self.on_kv_events is not None, self.ray_cpus)
         core.wait_ready(stopping=lambda: self._stopping)
         return core
 

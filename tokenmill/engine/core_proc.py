@@ -20,6 +20,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request import RequestOutput
+from tokenmill.executor.distributed.workers import WorkerGroupError
 
 logger = logging.getLogger("tokenmill")
 
@@ -58,6 +60,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
+        except WorkerGroupError:  # no step can run any more: the core ends, as if it had died
+            raise
         except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the server
             logger.exception("engine step failed; failing the requests in flight")
             outputs = self.fail_in_flight(f"{type(e).__name__}: {e}")
@@ -89,14 +93,17 @@ def main() -> None:
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int,
                     check_integrity: bool = False, cpus: list[int] | None = None, kv_events: bool = False) -> None:
-    """Builds the Engine, sends ("ready", EngineLimits) or ("error", message) as its first
-    message, then steps until told to stop or its parent is gone. `cpus`: the cores it may
-    run on (data parallel: each replica its own); `kv_events`: each step message carries the
-    block hashes stored in and removed from the prefix cache since the last one."""
-    # Ctrl-C, or a SIGTERM to the whole process group (systemd), reaches the core too: the API
-    # process stops it in order after its requests drained (or the core sees its parent gone)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """Builds the Engine, sends ("ready", (EngineLimits, the input socket's endpoint)) or
+    ("error", message) as its first message, then steps until told to stop or its parent is
+    gone. `input_addr`: where it binds its input socket (a TCP port of "*" takes a free one:
+    the endpoint sent with "ready" says which); `cpus`: the cores it may run on (data
+    parallel: each replica its own); `kv_events`: each step message carries the block hashes
+    stored in and removed from the prefix cache since the last one."""
+    if threading.current_thread() is threading.main_thread():  # not in a Ray actor's thread
+        # Ctrl-C, or a SIGTERM to the whole process group (systemd), reaches the core too: the API
+        # process stops it in order after its requests drained (or the core sees its parent gone)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpus:  # before torch starts its thread pool
         os.sched_setaffinity(0, cpus)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
@@ -114,7 +121,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         sys.exit(1)
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(input_addr)
-    outbox.send(pickle.dumps(("ready", engine.limits)))
+    outbox.send(pickle.dumps(("ready", (engine.limits, inbox.getsockopt_string(zmq.LAST_ENDPOINT)))))
     pool = engine.kv_cache.pool
     if kv_events:
         pool.events = []
@@ -173,6 +180,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         outbox.close(linger=2000)
         inbox.close(linger=0)
         ctx.term()
+        engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -26,7 +25,9 @@ from tokenmill.engine.async_engine import EngineClient, StepObserver
 from tokenmill.engine.core_client import EngineCoreClient
 from tokenmill.engine.detokenizer import load_tokenizer
 from tokenmill.engine.outputs import failed_output
+from tokenmill.engine.ray_core import import_ray
 from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.executor.distributed.parallel import split_cpus
 from tokenmill.executor.loader import resolve_model_path
 from tokenmill.router.prefix import PrefixRouter
 
@@ -36,20 +37,6 @@ logger = logging.getLogger("tokenmill")
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_prompt_tokens_computed",
              "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_unspeculated_steps")
 _SUMMED = ("num_running", "num_waiting", *_COUNTERS)
-
-
-def split_cpus(size: int, num_threads: int | None) -> list[list[int]]:
-    """Each replica's cores: the allowed ones (or the first `num_threads` of them) in equal
-    slices, at least one each; raises ValueError naming the flag when there are too few."""
-    allowed = sorted(os.sched_getaffinity(0))
-    total = num_threads or len(allowed)
-    if total > len(allowed):
-        raise ValueError(f"--num-threads {total} exceeds the {len(allowed)} cores this process may use")
-    if size > total:
-        raise ValueError(f"--data-parallel-size {size} exceeds the {total} cores to split between replicas "
-                         f"(each replica needs one at least)")
-    per = total // size
-    return [allowed[i * per:(i + 1) * per] for i in range(size)]
 
 
 class _ReplicaObserver:
@@ -65,11 +52,23 @@ class _ReplicaObserver:
 class DataParallelClient(EngineClient):
     def __init__(self, config: EngineConfig, size: int, max_waiting_requests: int = 1024,
                  observer: StepObserver | None = None, restart: bool = False, routing: str = "prefix",
-                 check_integrity: bool = False) -> None:
+                 check_integrity: bool = False,
+                 on_kv_events: Callable[[int, list[tuple[bool, bytes]] | None], None] | None = None,
+                 ray: bool = False) -> None:
+        """`ray`: the replicas are Ray actors (connect to the cluster first: ray_core.connect_ray),
+        each reserving its share of `num_threads` (default: the cluster's CPUs)."""
         super().__init__(max_waiting_requests, observer)
+        self.on_kv_events = on_kv_events  # (replica, its events), after the router's mirror took them
         if size < 2:
             raise ValueError(f"--data-parallel-size must be >= 2 here (1 is a single engine core), got {size}")
-        cpus = split_cpus(size, config.num_threads)
+        if ray:
+            total = config.num_threads or int(import_ray().cluster_resources().get("CPU", 1))
+            if size > total:
+                raise ValueError(f"--data-parallel-size {size} exceeds the {total} CPUs of the Ray cluster "
+                                 f"(or --num-threads) to split between replicas")
+            cpus = [list(range(total // size))] * size  # how many each reserves, not which
+        else:
+            cpus = split_cpus(size, config.num_threads, "--data-parallel-size")
         model_path = resolve_model_path(config.model)  # once, here: the replicas start on threads
         if config.model is not None:
             config = replace(config, model=str(model_path))
@@ -83,9 +82,9 @@ class DataParallelClient(EngineClient):
         def build(i: int) -> EngineCoreClient:
             return EngineCoreClient(replace(config, num_threads=len(cpus[i])), max_waiting_requests,
                                     observer=_ReplicaObserver(self, i), restart=restart,
-                                    check_integrity=check_integrity, cpus=cpus[i],
-                                    on_kv_events=lambda events, i=i: self.router.apply_events(i, events),
-                                    tokenizer=tokenizer)
+                                    check_integrity=check_integrity, cpus=None if ray else cpus[i],
+                                    on_kv_events=lambda events, i=i: self._kv_events(i, events),
+                                    tokenizer=tokenizer, ray_cpus=len(cpus[i]) if ray else None)
 
         with ThreadPoolExecutor(size) as pool:  # the replicas load at once
             futures = [pool.submit(build, i) for i in range(size)]
@@ -98,8 +97,12 @@ class DataParallelClient(EngineClient):
         first = self.replicas[0]
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.processor, self.grammars = first.processor, first.grammars
-        logger.info("data parallel: %d engine cores on cores %s, routing %s", size,
-                    " | ".join(",".join(map(str, c)) for c in cpus), routing)
+        if ray:
+            logger.info("data parallel: %d engine cores as Ray actors of %d CPUs each, routing %s", size,
+                        len(cpus[0]), routing)
+        else:
+            logger.info("data parallel: %d engine cores on cores %s, routing %s", size,
+                        " | ".join(",".join(map(str, c)) for c in cpus), routing)
 
     # -- life cycle -------------------------------------------------------------
     def start(self) -> None:
@@ -141,6 +144,11 @@ class DataParallelClient(EngineClient):
                     yield out
         finally:
             self._loads[i] -= 1
+
+    def _kv_events(self, index: int, events: list[tuple[bool, bytes]] | None) -> None:
+        self.router.apply_events(index, events)
+        if self.on_kv_events is not None:
+            self.on_kv_events(index, events)
 
     def _observe(self, index: int, outputs: Sequence[RequestOutput], stats: dict[str, Any], now: float) -> None:
         last, before = self._replica_stats[index], self._counted_before[index]

@@ -76,6 +76,10 @@ class Engine:
                     str(self.runner.kv_cache_dtype).removeprefix("torch."),
                     "on" if config.enable_prefix_caching else "off", self.max_model_len)
 
+    def shutdown(self) -> None:
+        """Stops what the engine started beside it (tensor-parallel workers); safe to repeat."""
+        self.runner.shutdown()
+
     # -- requests -------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
                      priority: int = 0, arrival_time: float | None = None, tenant: str | None = None,

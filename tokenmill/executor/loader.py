@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 
 from tokenmill.config import DEFAULT_MODEL_DIR, ModelConfig
+from tokenmill.executor.distributed.parallel import TensorParallel
 from tokenmill.executor.layers.quantization import QuantConfig
 from tokenmill.executor.models import MODEL_REGISTRY
 from tokenmill.executor.models.llama import LlamaForCausalLM
@@ -96,15 +97,18 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: Path, cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: torch.device,
                max_position: int, seed: int = 0, kernels: ModuleType | None = None,
-               quant: QuantConfig | None = None) -> LlamaForCausalLM:
+               quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """kernels: the native CPU kernels the layers use (None: torch ops); quant: the linear
-    layers' quantization (layers/quantization), applied once the weights are in."""
+    layers' quantization (layers/quantization), applied once the weights are in; tp: this
+    rank's place in a tensor-parallel group (it loads its part of each checkpoint tensor).
+    Dummy weights are drawn per rank, so a tensor-parallel model of dummy weights differs
+    from one rank's."""
     model_cls = MODEL_REGISTRY[cfg.architecture]
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the target dtype: no float32 copy of the weights
     try:
         with torch.device(device):
-            model = model_cls(cfg, max_position, kernels, quant)
+            model = model_cls(cfg, max_position, kernels, quant, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":

@@ -20,32 +20,64 @@ import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.engine.request import Request, TokenLogprobs
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner, cache_dtype
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.cuda_graphs import CudaGraphRunner
+from tokenmill.executor.distributed.parallel import TensorParallel, check_tensor_parallel, shard_model_config
+from tokenmill.executor.distributed.workers import TensorParallelWorkers, WorkerGroupError
 from tokenmill.executor.layers.quantization import resolve_quantization
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.memory import num_kv_blocks
 from tokenmill.executor.penalties import PenaltyState
+from tokenmill.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from tokenmill.executor.sampler import Sampler, SamplingBatch
 from tokenmill.executor.spec.adaptive import StepCost, measure_step_cost
 from tokenmill.executor.spec.draft import DraftModel, resolve_draft
 from tokenmill.executor.spec.rejection import accepted_prefix
 from tokenmill.executor.staging import Staging
+from tokenmill.executor.step_input import StepInput
 
 logger = logging.getLogger("tokenmill")
 
-PROMPT_LOGPROB_ROWS = 512  # prompt positions whose full-vocabulary logits exist at once
-
 
 class ModelRunner(CacheOwner):
+    """`tp`: given to the runner of a tensor-parallel worker rank (executor/distributed); the
+    driver's runner (rank 0) starts those workers itself when tensor_parallel_size > 1.
+    `model_config` is the whole model's; `self.model_config` holds this rank's shapes."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, max_num_batched_tokens: int) -> None:
+                 dtype: torch.dtype, max_model_len: int, max_num_batched_tokens: int,
+                 tp: TensorParallel | None = None) -> None:
         self.config = config
-        self.model_config = model_config
+        self.workers: TensorParallelWorkers | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            check_tensor_parallel(model_config, config.tensor_parallel_size, device, config.num_threads)
+            self.workers = TensorParallelWorkers(
+                config.tensor_parallel_size, device, config.num_threads,
+                dict(config=config, model_config=model_config, model_path=model_path, device=device, dtype=dtype,
+                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens))
+            tp = self.workers.tp
+            if self.workers.driver_cpus:
+                torch.set_num_threads(len(self.workers.driver_cpus))
+        self.tp = tp
+        try:
+            self._build(config, model_config, model_path, device, dtype, max_model_len, max_num_batched_tokens)
+        except BaseException as e:
+            if self.workers is not None:
+                # bad input (a ValueError) stays itself; a failed collective says which worker died
+                error = self.workers.fail(e) if isinstance(e, RuntimeError) else e
+                self.workers.kill()
+                if error is not e:
+                    raise error from e
+            raise
+
+    def _build(self, config: EngineConfig, model_config: ModelConfig, model_path, device: torch.device,
+               dtype: torch.dtype, max_model_len: int, max_num_batched_tokens: int) -> None:
+        tp = self.tp
+        self.model_config = shard_model_config(model_config, tp.size) if tp else model_config
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
@@ -59,9 +91,12 @@ class ModelRunner(CacheOwner):
         self.memory_baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         self.quant = resolve_quantization(config.quantization, model_config.quantization_config, device, kernels)
+        if tp is not None and self.quant is not None:
+            raise ValueError("tensor_parallel_size > 1 does not run quantized checkpoints yet (quantization "
+                             f"{self.quant.name})")
         self.model = load_model(model_path, model_config, config.load_format, dtype, device,
                                 max_position=max(max_model_len, model_config.max_position_embeddings),
-                                seed=config.seed, kernels=kernels, quant=self.quant)
+                                seed=config.seed, kernels=kernels, quant=self.quant, tp=tp)
         self.load_time = time.perf_counter() - t0
         self.staging = Staging(device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed), device, kernels)
@@ -71,6 +106,8 @@ class ModelRunner(CacheOwner):
         draft = resolve_draft(spec, model_path, model_config) if spec and spec.method == "draft_model" else None
         self.draft_kv_bytes_per_token = draft[1].kv_bytes_per_token(self.kv_cache_dtype) if draft else 0
         self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
+        if tp is not None:  # every rank holds the same blocks: as many as the tightest can
+            self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
         self.attn = self.make_backend(self.kv_cache)
         self.step_cost: StepCost | None = None
@@ -80,7 +117,7 @@ class ModelRunner(CacheOwner):
         self.drafter = DraftModel(self, spec, *draft, self.num_blocks, max_num_batched_tokens, kernels) \
             if draft else None
         self.graphs: CudaGraphRunner | None = None
-        if device.type == "cuda" and not config.enforce_eager:
+        if device.type == "cuda" and not config.enforce_eager and tp is None:
             self.graphs = CudaGraphRunner(self, max_batch_size=config.max_num_seqs)
             self.graphs.capture()
 
@@ -88,12 +125,28 @@ class ModelRunner(CacheOwner):
         """A request finished or was aborted: what the runner kept for it goes."""
         self.penalties.release(request_id)
 
-    @torch.inference_mode()
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (the engine is done)."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
+
     def execute(self, out: SchedulerOutput, grammar_mask: tuple[list[int], np.ndarray] | None = None
                 ) -> ModelRunnerOutput:
         """Runs one step: the sampled tokens, and the prompt logprobs of the chunks that want them.
         `grammar_mask`: (rows, packed allowed-token bits) of the sampling rows that have a
         grammar (structured outputs; Grammars.bitmask)."""
+        if self.workers is None:
+            return self._execute(out, grammar_mask)
+        try:
+            return self._execute(out, grammar_mask)
+        except WorkerGroupError:
+            raise
+        except RuntimeError as e:  # a collective failed: say which worker, if one died
+            raise self.workers.fail(e) from e
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput, grammar_mask: tuple[list[int], np.ndarray] | None) -> ModelRunnerOutput:
         bs = self.block_size
         query_lens = np.array(out.num_scheduled_tokens, dtype=np.int32)
         computed = np.array(out.num_computed_tokens, dtype=np.int64)
@@ -123,26 +176,26 @@ class ModelRunner(CacheOwner):
             num_rows.append(1)
         sampling = out.sampling_requests
         spec = len(logits_rows) > len(sampling)
+        plp = prompt_logprob_rows(out, query_lens)
+        # the sampling rows, or None when they are every row (as in a decode-only step)
+        sample_rows = np.array(logits_rows, dtype=np.int64) \
+            if out.forked or len(logits_rows) != len(input_ids) else None
+        step = StepInput(np.array(input_ids, dtype=np.int64), positions, slot_mapping, query_lens, seq_lens,
+                         block_table, out.block_copies,
+                         [*(plp.chunks if plp else ()), *((sample_rows,) if sampling else ())])
+        if self.workers is not None:
+            self.workers.send(step)
 
         self.staging.begin()
-        if out.block_copies:
-            self._copy_blocks(out.block_copies)
-        if self.graphs is not None and self.graphs.can_run(query_lens):
-            hidden = self.graphs.run(np.array(input_ids, dtype=np.int64), positions, slot_mapping, seq_lens,
-                                     block_table)
-        else:
-            put = self.staging.to_device
-            md = AttentionMetadata.from_host(query_lens, seq_lens, block_table, put(slot_mapping), bs, put)
-            self.attn.begin_step(md)
-            hidden = self.model(put(np.array(input_ids, dtype=np.int64)), put(positions), self.attn)
-        prompt_logprobs = self._prompt_logprobs(out, hidden, query_lens)
+        hidden = self._forward(step)
+        prompt_logprobs = compute_prompt_logprobs(self.model, self.staging, self.sampler, hidden, plp) if plp else {}
         if not sampling:
             self.staging.end()
             if self.drafter is not None:  # it keeps up with the prompt chunks
                 self.drafter.run(out, [])
             return ModelRunnerOutput([], prompt_logprobs)
-        if out.forked or len(logits_rows) != len(hidden):
-            hidden = hidden[self.staging.to_device(np.array(logits_rows, dtype=np.int64))]
+        if sample_rows is not None:
+            hidden = hidden[self.staging.to_device(sample_rows)]
         first_row = np.cumsum([0, *num_rows])
         drafts = [d for i, d in enumerate(out.spec_token_ids) if out.samples(i)] + [[] for _ in out.forked]
         if spec:  # a request with k drafts has k + 1 rows: its j-th verifies draft j, the last is the bonus
@@ -164,6 +217,27 @@ class ModelRunner(CacheOwner):
             self.drafter.run(out, sampled)
         return ModelRunnerOutput(sampled, prompt_logprobs)
 
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The step's hidden states [tokens, hidden], after its copy-on-write block copies."""
+        if step.block_copies:
+            self._copy_blocks(step.block_copies)
+        if self.graphs is not None and self.graphs.can_run(step.query_lens):
+            return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_table)
+        put = self.staging.to_device
+        self.attn.begin_step(AttentionMetadata.from_host(step.query_lens, step.seq_lens, step.block_table,
+                                                         put(step.slot_mapping), self.block_size, put))
+        return self.model(put(step.input_ids), put(step.positions), self.attn)
+
+    @torch.inference_mode()
+    def run_worker_step(self, step: StepInput) -> None:
+        """A tensor-parallel worker's step: the driver's forward and logits calls, in its order
+        (their collectives pair up); the driver alone samples."""
+        self.staging.begin()
+        hidden = self._forward(step)
+        for rows in step.logits_rows:
+            self.model.compute_logits(hidden if rows is None else hidden[self.staging.to_device(rows)])
+        self.staging.end()
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy on write (parallel sampling): each destination block gets its source's K/V,
         in every layer, before this step writes to it."""
@@ -173,51 +247,6 @@ class ModelRunner(CacheOwner):
         dst = (np.array([d for _, d in copies], dtype=np.int64)[:, None] * bs + offsets).ravel()
         put = self.staging.to_device
         self.kv_cache.copy_slots(put(dst), put(src))
-
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
-                         query_lens: np.ndarray) -> dict[str, list[TokenLogprobs]]:
-        """Logprobs of the prompt tokens this step's chunks predict, for the requests that ask
-        (SamplingParams.prompt_logprobs): the row of position p gives those of token p + 1.
-        Such a step waits for the device once more than others."""
-        rows: list[int] = []
-        targets: list[int] = []
-        owners: list[tuple[Request, int]] = []  # (request, number of its rows), in row order
-        row_start = 0
-        for request, start, n in zip(out.requests, out.num_computed_tokens, query_lens.tolist()):
-            if request.needs_prompt_logprobs:
-                # a recompute after preemption skips the positions already done
-                first = max(start, len(request.prompt_logprobs) - 1)
-                end = min(start + n, request.num_prompt_tokens - 1)
-                if first < end:
-                    rows.extend(range(row_start + first - start, row_start + end - start))
-                    targets.extend(request.all_token_ids[first + 1:end + 1])
-                    owners.append((request, end - first))
-            row_start += n
-        if not rows:
-            return {}
-        k = max(r.sampling_params.prompt_logprobs for r, _ in owners)
-        chosen, top_vals, top_ids = [], [], []
-        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            part = self.staging.to_device(np.array(rows[lo:lo + PROMPT_LOGPROB_ROWS], dtype=np.int64))
-            target = self.staging.to_device(np.array(targets[lo:lo + PROMPT_LOGPROB_ROWS], dtype=np.int64))
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[part]).float(), dim=-1)
-            chosen.append(logprobs.gather(1, target.unsqueeze(1)).squeeze(1))
-            if k > 0:
-                vals, ids = logprobs.topk(k, dim=-1)
-                top_vals.append(vals)
-                top_ids.append(ids)
-        host = self.sampler.to_host(torch.cat(chosen), *((torch.cat(top_vals), torch.cat(top_ids)) if k else ()))
-        chosen_list = host[0].tolist()
-        top_vals_list, top_ids_list = (host[1].tolist(), host[2].tolist()) if k else ([], [])
-        result: dict[str, list[TokenLogprobs]] = {}
-        i = 0
-        for request, count in owners:
-            n_top = request.sampling_params.prompt_logprobs
-            result[request.request_id] = [
-                (targets[j], chosen_list[j], list(zip(top_ids_list[j][:n_top], top_vals_list[j][:n_top])) if n_top
-                 else []) for j in range(i, i + count)]
-            i += count
-        return result
 
     def _sampling_batch(self, requests: list[Request], offsets: list[int] | None = None,
                         drafts: list[int] | None = None) -> SamplingBatch:

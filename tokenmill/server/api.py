@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes, errors as OpenAI bodies, auth, metrics.
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models
-    GET /v1/usage               GET /health                    GET /metrics      GET /openapi.json
+    GET /v1/usage               GET /v1/prefix_cache           GET /health
+    GET /metrics                GET /openapi.json
 
 With tenants (server/tenancy.py) every /v1 request is authenticated to a tenant,
 admitted by its limits before it is queued, and charged what it used when its
@@ -27,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import EngineClient
+from tokenmill.router.summary import PrefixCacheLog
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, ErrorResponse, ModelList)
@@ -49,10 +51,13 @@ class ClientGone(Exception):
 
 
 def build_app(engine: EngineClient, served_model_names: list[str], metrics: ServerMetrics,
-              api_key: str | None = None, tenancy: Tenancy | None = None, access_log: bool = False) -> FastAPI:
+              api_key: str | None = None, tenancy: Tenancy | None = None, access_log: bool = False,
+              prefix_cache: PrefixCacheLog | None = None) -> FastAPI:
     """The app; starting it (lifespan) starts the engine client, stopping it stops the engine.
     `api_key` alone is one tenant with no limits; `tenancy` brings tenants and their limits.
-    `access_log`: a line per HTTP request naming its tenant (never its key)."""
+    `access_log`: a line per HTTP request naming its tenant (never its key). `prefix_cache`:
+    what the engine's prefix cache holds, fed by the engine client's events, for
+    GET /v1/prefix_cache (router/summary.py)."""
     if tenancy is None:
         tenancy = make_tenancy(metrics, api_key=api_key)
     completion_serving = CompletionServing(engine, served_model_names)
@@ -70,7 +75,7 @@ def build_app(engine: EngineClient, served_model_names: list[str], metrics: Serv
                 tenancy.limits.close()
 
     app = FastAPI(title="tokenmill", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     if access_log:
         app.add_middleware(AccessLog)
 
@@ -94,7 +99,7 @@ def build_app(engine: EngineClient, served_model_names: list[str], metrics: Serv
         if stream is not None:
             return ReleasedStream(stream(), release)
         try:
-            return JSONResponse(await _unless_disconnected(request, whole()))
+            return JSONResponse(await unless_disconnected(request, whole()))
         finally:
             release()
 
@@ -135,6 +140,18 @@ def build_app(engine: EngineClient, served_model_names: list[str], metrics: Serv
         """The caller's tenant's usage in its quota period and what is left; every tenant's
         with the admin key."""
         return await off_loop(tenancy.usage, request.headers.get("authorization", ""))
+
+    @app.get("/v1/prefix_cache", responses=_ERRORS)
+    async def prefix_cache_summary(request: Request, since: str | None = None) -> dict[str, Any]:
+        """The block hashes the prefix cache holds (all, or what changed since the cursor
+        `since`), for a router in front of several servers. It needs a key where /v1/* does
+        (a tenant's or the admin key): it tells whether a given prompt was served lately."""
+        authorization = request.headers.get("authorization", "")
+        if not tenancy.is_admin(authorization):
+            tenancy.authenticate(authorization)
+        if prefix_cache is None:
+            raise APIError(404, "this server keeps no prefix-cache summary", code="not_found")
+        return prefix_cache.summary(since)
 
     @app.get("/health")
     async def health() -> Response:
@@ -199,7 +216,7 @@ class ReleasedStream(StreamingResponse):
                 self._release()
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Runs `work` until it is done or the client disconnects; on a disconnect the work is
     cancelled (which aborts its engine requests) and ClientGone is raised."""
     task = asyncio.ensure_future(work)
@@ -223,7 +240,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()  # also when it finished as the client left: its result (or its error)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers)

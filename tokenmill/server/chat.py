@@ -43,32 +43,7 @@ class ChatServing(OpenAIServing):
         return rid, self.submit([prompt_ids], params, req.n, rid, prompt_param="messages", origin=origin)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        conversation = []
-        for i, message in enumerate(req.messages):
-            content = message.content
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    kind = part.get("type")
-                    if kind != "text" or not isinstance(part.get("text"), str):
-                        raise APIError(400, f"messages[{i}].content[{j}]: content parts of type {kind!r} are not "
-                                       "supported (only 'text' with a string 'text')",
-                                       param=f"messages[{i}].content[{j}].type")
-                    texts.append(part["text"])
-                content = "\n".join(texts)
-            conversation.append({"role": message.role, "content": content or ""})
-        template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        extra = req.chat_template_kwargs or {}
-        reserved = sorted(set(extra) & _RESERVED_TEMPLATE_ARGS)
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
-                           param="chat_template_kwargs")
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt, **extra)
-        except Exception as e:  # noqa: BLE001 - jinja raises what the template raises
-            raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, req)
 
     async def chat(self, req: ChatCompletionRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
         finals = await self.final_outputs(choices, req.n)
@@ -121,3 +96,35 @@ class ChatServing(OpenAIServing):
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids: the messages through the tokenizer's chat template (a plain
+    `role: content` one when it has none); raises APIError naming what it rejects. The
+    standalone router (router/server.py) tokenizes chat requests with it too, to route them."""
+    conversation = []
+    for i, message in enumerate(req.messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}]: content parts of type {kind!r} are not "
+                                   "supported (only 'text' with a string 'text')",
+                                   param=f"messages[{i}].content[{j}].type")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        conversation.append({"role": message.role, "content": content or ""})
+    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+    extra = req.chat_template_kwargs or {}
+    reserved = sorted(set(extra) & _RESERVED_TEMPLATE_ARGS)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
+                       param="chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt, **extra)
+    except Exception as e:  # noqa: BLE001 - jinja raises what the template raises
+        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from e
+    return tokenizer.encode(text, add_special_tokens=False)

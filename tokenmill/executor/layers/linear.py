@@ -2,7 +2,8 @@
 
 Several checkpoint tensors may map onto one fused layer (q/k/v into qkv_proj,
 gate/up into gate_up_proj): one matmul instead of three is worth it on every
-device. `load_shard` copies one checkpoint tensor into its rows of the fused weight.
+device. `load_shard` copies one checkpoint tensor into its rows of the fused weight; under tensor
+parallelism (`tp_shard`, executor/distributed) it first takes this rank's part of it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ class Linear(nn.Module):
     it after loading and runs the layer."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int] | int, bias: bool = False,
-                 quant_method=None) -> None:
+                 quant_method=None, tp_shard=None) -> None:
         super().__init__()
+        self.tp_shard = tp_shard  # ColumnShard | RowShard | None
         if isinstance(shard_sizes, int):
             shard_sizes = {"": shard_sizes}
         self.shard_offsets: dict[str, tuple[int, int]] = {}
@@ -64,6 +66,8 @@ class Linear(nn.Module):
         param = self._parameters.get(param_name)  # weight, bias, and what a quantization method adds
         if param is None:
             raise ValueError(f"checkpoint has a {param_name} for a layer built without one")
+        if self.tp_shard is not None:
+            tensor = self.tp_shard.narrow(param_name, shard, tensor)
         start, size = self.shard_offsets[shard]
         target = param.data.narrow(0, start, size)
         if target.shape != tensor.shape:

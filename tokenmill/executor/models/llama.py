@@ -14,6 +14,8 @@ from torch.nn import functional as F
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention.base import AttentionBackend
+from tokenmill.executor.distributed.parallel import (TensorParallel, VocabParallelEmbedding, attention_shards, mlp_shards,
+                                                     shard_model_config)
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.quantization import QuantConfig
 from tokenmill.executor.layers.norm import RMSNorm
@@ -35,16 +37,23 @@ def _method(quant: QuantConfig | None, name: str):
 
 
 class LlamaAttention(nn.Module):
+    """`cfg`: the whole model's shape; under tensor parallelism (`tp`) this rank builds its
+    heads only, and sums o_proj's partial outputs with the other ranks'."""
+
     def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        local = shard_model_config(cfg, tp.size) if tp else cfg
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, cfg.head_dim
+        q_size, kv_size = local.num_heads * cfg.head_dim, local.num_kv_heads * cfg.head_dim
+        qkv_shard, o_shard = attention_shards(tp, cfg) if tp else (None, None)
         prefix = f"model.layers.{layer}.self_attn"
         self.qkv_proj = Linear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=cfg.qkv_bias,
-                               quant_method=_method(quant, f"{prefix}.qkv_proj"))
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias, quant_method=_method(quant, f"{prefix}.o_proj"))
+                               quant_method=_method(quant, f"{prefix}.qkv_proj"), tp_shard=qkv_shard)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias, quant_method=_method(quant, f"{prefix}.o_proj"),
+                             tp_shard=o_shard)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.splits = [q_size, kv_size, kv_size]
@@ -58,34 +67,40 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(rope, q, k)
         o = attn(q, k, v, self.layer)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        o = self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        return o if self.tp is None else self.tp.all_reduce(o)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.kernels = kernels
+        self.tp = tp
+        size = cfg.intermediate_size // (tp.size if tp else 1)
+        gate_up_shard, down_shard = mlp_shards(tp, cfg) if tp else (None, None)
         prefix = f"model.layers.{layer}.mlp"
-        self.gate_up_proj = Linear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
-                                   bias=cfg.mlp_bias, quant_method=_method(quant, f"{prefix}.gate_up_proj"))
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
-                                quant_method=_method(quant, f"{prefix}.down_proj"))
+        self.gate_up_proj = Linear(cfg.hidden_size, {"gate": size, "up": size}, bias=cfg.mlp_bias,
+                                   quant_method=_method(quant, f"{prefix}.gate_up_proj"), tp_shard=gate_up_shard)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                quant_method=_method(quant, f"{prefix}.down_proj"), tp_shard=down_shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            x = self.down_proj(self.kernels.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = self.down_proj(F.silu(gate) * up)
+        return x if self.tp is None else self.tp.all_reduce(x)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer, kernels, quant)
-        self.mlp = LlamaMLP(cfg, layer, kernels, quant)
+        self.self_attn = LlamaAttention(cfg, layer, kernels, quant, tp)
+        self.mlp = LlamaMLP(cfg, layer, kernels, quant, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
@@ -104,17 +119,23 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`kernels`: the native CPU kernels when built for the CPU (None: torch ops, as on CUDA);
     every layer picks its implementation once, here. `quant`: the linear layers'
-    quantization (the LM head and embeddings stay unquantized)."""
+    quantization (the LM head and embeddings stay unquantized). `tp`: this rank's place in a
+    tensor-parallel group (executor/distributed), which builds its part of each layer."""
 
     def __init__(self, cfg: ModelConfig, max_position: int, kernels: ModuleType | None = None,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, kernels)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels, quant) for i in range(cfg.num_layers))
+        if tp is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(tp, cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.rows, tp_shard=self.embed_tokens.shard)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels, quant, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one parameter, named embed_tokens.weight
 
@@ -127,8 +148,11 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, vocab] in the model's dtype; the sampler widens them when it needs to."""
-        return self.lm_head(hidden)
+        """[N, vocab] in the model's dtype; the sampler widens them when it needs to. Under
+        tensor parallelism every rank computes its slice of the vocabulary and gets them all."""
+        if self.tp is None:
+            return self.lm_head(hidden)
+        return self.tp.all_gather_last(self.lm_head(hidden))[:, :self.cfg.vocab_size]
 
     def pack_weights(self) -> None:
         """After loading: every linear layer in the fastest CPU layout. A tied head packs
@@ -163,6 +187,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.load_shard(param_name, shard, tensor)
             elif name in params:
+                if isinstance(module, VocabParallelEmbedding):
+                    tensor = module.shard.narrow(param_name, "", tensor)
                 if params[name].shape != tensor.shape:
                     raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)}, "
                                      f"model expects {tuple(params[name].shape)}")

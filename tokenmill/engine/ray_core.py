@@ -1,0 +1,88 @@
+"""Engine cores as Ray actors (`--distributed-executor-backend ray`): the data-parallel
+replicas, or the one engine core, placed by Ray on any machine of a cluster.
+
+    API process                                   Ray actor (any node)
+    -----------                                   --------------------
+    binds its output socket on its node's IP      run_engine_core(): binds its input socket on
+    RayCoreProcess(args)  -- actor.run(args) -->  its node's IP, any port; sends ("ready",
+    connects the input socket it was told   <--   (limits, that endpoint)); then steps
+    poll(): has run() ended (died, killed)?
+
+The actor stands where core_client.py otherwise starts a subprocess (RayCoreProcess has the
+part of subprocess.Popen's interface that it uses), so everything else is the same: the ZMQ
+messages, the death watch, restarts, the router. The sockets carry pickles: the ports must
+be reachable only from the cluster's trusted network, as with vLLM's multi-node setups.
+A replica's tensor-parallel workers, if any, run beside it on its node.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Any
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'tokenmill[ray]'") from e
+    return ray
+
+
+def connect_ray(address: str | None):
+    """Joins the cluster at `address` ("auto": the one this machine is part of), or starts a
+    local one when None; a process already connected keeps its connection."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    return ray
+
+
+class EngineCoreActor:
+    """One engine core in a Ray worker process; run() returns when the core stops."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, args: dict[str, Any]) -> None:
+        import ray
+
+        from tokenmill.engine.core_proc import run_engine_core
+        run_engine_core(**{**args, "input_addr": f"tcp://{ray.util.get_node_ip_address()}:*"})
+
+
+class RayCoreProcess:
+    """An engine core running in an EngineCoreActor, seen as a process: poll, kill, wait."""
+
+    def __init__(self, args: dict[str, Any], num_cpus: int, start_timeout: float) -> None:
+        ray = import_ray()
+        self._ray = ray
+        actor_cls = ray.remote(EngineCoreActor)
+        # two threads: run() keeps one, pid() and the like answer on the other
+        self.actor = actor_cls.options(num_cpus=num_cpus, max_concurrency=2).remote()
+        self.pid: int = ray.get(self.actor.pid.remote(), timeout=start_timeout)
+        self._run = self.actor.run.remote(args)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, _ = self._ray.wait([self._run], timeout=0)
+            if done:
+                try:
+                    self._ray.get(self._run)
+                    self.returncode = 0
+                except self._ray.exceptions.RayActorError:  # killed, or its node or process died
+                    self.returncode = -9
+                except Exception:  # noqa: BLE001 - the core raised (it reported why on its socket)
+                    self.returncode = 1
+        return self.returncode
+
+    def kill(self) -> None:
+        self._ray.kill(self.actor, no_restart=True)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._ray.wait([self._run], timeout=timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired("ray actor", timeout or 0)
+        return self.returncode
