@@ -69,6 +69,31 @@ def test_two_ranks_match_transformers_and_one_rank(name, checkpoints, make_llm):
     llm.engine.kv_cache.check_integrity()
 
 
+def test_biases_on_every_layer_and_an_odd_vocabulary(tmp_path, make_llm):
+    """Llama with attention_bias and mlp_bias (o_proj's and down_proj's biases: row parallel,
+    added once) and 8,195 tokens (the last rank's vocabulary slice is padded)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=8195, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      attention_bias=True, mlp_bias=True, initializer_range=0.1, bos_token_id=0,
+                                      eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random biases: zeros would not show one added twice
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(tmp_path)
+    hf = hf_greedy(tmp_path, PROMPTS, NUM_TOKENS)
+    llm = make_llm(tmp_path, skip_tokenizer_init=True, **TP2)
+    assert llm.engine.runner.model.embed_tokens.rows == 4098
+    two = run(llm, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5,
+                                  detokenize=False))
+    assert [o.outputs[0].token_ids for o in two] == [t for t, _ in hf]
+    assert_close_outputs(hf, two, "llama-biases-odd-vocab")
+
+
 def test_preemption_and_forked_sequences(checkpoints, make_llm):
     """A KV cache too small for the batch preempts and recomputes; n=2 forks each request's
     sequences after one prefill and copies its last block on write, on every rank."""

@@ -213,7 +213,7 @@ def test_tensor_parallel_core_answers_as_offline_and_stops_its_workers():
 
 def test_a_dead_tensor_parallel_worker_ends_the_core():
     """A rank that dies leaves a core that cannot step: the request in flight fails, the core
-    ends, and the server answers 503 (with --restart-engine a new core and workers come up)."""
+    ends, and the server answers 503."""
     srv = start_server(engine_process=True, tensor_parallel_size=2, num_threads=2)
     try:
         [worker] = _children(srv.engine.pid)

@@ -133,7 +133,10 @@ class _Core:
             return
         if self.is_alive():
             self.process.kill()
-        self.process.wait(5)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:  # a Ray actor's end is asynchronous; it is on its way
+            logger.warning("engine core %s had not ended 5 s after it was killed", self.process.pid)
 
     def close(self) -> None:
         self.inputs.close(linger=0)

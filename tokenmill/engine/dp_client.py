@@ -25,7 +25,7 @@ from tokenmill.engine.async_engine import EngineClient, StepObserver
 from tokenmill.engine.core_client import EngineCoreClient
 from tokenmill.engine.detokenizer import load_tokenizer
 from tokenmill.engine.outputs import failed_output
-from tokenmill.engine.ray_core import import_ray
+from tokenmill.engine.ray_core import cpus_per_core
 from tokenmill.engine.request import Request, RequestOutput
 from tokenmill.executor.distributed.parallel import split_cpus
 from tokenmill.executor.loader import resolve_model_path
@@ -61,12 +61,8 @@ class DataParallelClient(EngineClient):
         self.on_kv_events = on_kv_events  # (replica, its events), after the router's mirror took them
         if size < 2:
             raise ValueError(f"--data-parallel-size must be >= 2 here (1 is a single engine core), got {size}")
-        if ray:
-            total = config.num_threads or int(import_ray().cluster_resources().get("CPU", 1))
-            if size > total:
-                raise ValueError(f"--data-parallel-size {size} exceeds the {total} CPUs of the Ray cluster "
-                                 f"(or --num-threads) to split between replicas")
-            cpus = [list(range(total // size))] * size  # how many each reserves, not which
+        if ray:  # how many CPUs each replica reserves, not which: Ray picks the node
+            cpus = [list(range(cpus_per_core(config.num_threads, size, "--data-parallel-size")))] * size
         else:
             cpus = split_cpus(size, config.num_threads, "--data-parallel-size")
         model_path = resolve_model_path(config.model)  # once, here: the replicas start on threads

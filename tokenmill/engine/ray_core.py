@@ -12,7 +12,8 @@ The actor stands where core_client.py otherwise starts a subprocess (RayCoreProc
 part of subprocess.Popen's interface that it uses), so everything else is the same: the ZMQ
 messages, the death watch, restarts, the router. The sockets carry pickles: the ports must
 be reachable only from the cluster's trusted network, as with vLLM's multi-node setups.
-A replica's tensor-parallel workers, if any, run beside it on its node.
+Tensor parallelism inside a Ray actor is not supported yet (a start-up error): its workers'
+core pinning and rendezvous assume a machine of their own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from __future__ import annotations
 import os
 import subprocess
 from typing import Any
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def import_ray():
@@ -37,6 +43,25 @@ def connect_ray(address: str | None):
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     return ray
+
+
+def cpus_per_core(num_threads: int | None, num_cores: int, flag: str) -> int:
+    """The CPUs each of `num_cores` engine cores reserves: its share of `num_threads`, or of
+    the cluster's CPUs (at most a node's worth); ValueError naming the flag when a share is
+    zero or, asked for with --num-threads, fits on no node."""
+    ray = import_ray()
+    nodes = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    largest = max(nodes, default=0)
+    share = (num_threads or sum(nodes)) // num_cores
+    if share < 1:
+        raise ValueError(f"{flag} {num_cores} exceeds the {num_threads or sum(nodes)} CPUs of the Ray cluster "
+                         f"(or --num-threads) to split between engine cores")
+    if share > largest:
+        if num_threads:
+            raise ValueError(f"--num-threads {num_threads} gives each engine core {share} CPUs, more than any Ray "
+                             f"node has ({largest})")
+        share = largest
+    return share
 
 
 class EngineCoreActor:
@@ -59,8 +84,11 @@ class RayCoreProcess:
         ray = import_ray()
         self._ray = ray
         actor_cls = ray.remote(EngineCoreActor)
+        # a GPU each when the engine runs on CUDA (Ray hides the devices an actor did not ask for)
+        num_gpus = 1 if args["config"].device == "cuda" or (args["config"].device == "auto"
+                                                            and _cuda_available()) else 0
         # two threads: run() keeps one, pid() and the like answer on the other
-        self.actor = actor_cls.options(num_cpus=num_cpus, max_concurrency=2).remote()
+        self.actor = actor_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2).remote()
         self.pid: int = ray.get(self.actor.pid.remote(), timeout=start_timeout)
         self._run = self.actor.run.remote(args)
         self.returncode: int | None = None
@@ -74,6 +102,7 @@ class RayCoreProcess:
                     self.returncode = 0
                 except self._ray.exceptions.RayActorError:  # killed, or its node or process died
                     self.returncode = -9
+                    self.kill()  # one only unreachable for now is ended too: it is gone for us
                 except Exception:  # noqa: BLE001 - the core raised (it reported why on its socket)
                     self.returncode = 1
         return self.returncode

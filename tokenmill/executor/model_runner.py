@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner, cache_dtype
@@ -33,7 +32,8 @@ from tokenmill.executor.loader import load_model
 from tokenmill.executor.memory import num_kv_blocks
 from tokenmill.executor.penalties import PenaltyState
 from tokenmill.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
-from tokenmill.executor.sampler import Sampler, SamplingBatch
+from tokenmill.executor.sampler import Sampler
+from tokenmill.executor.sampling_batch import build_sampling_batch
 from tokenmill.executor.spec.adaptive import StepCost, measure_step_cost
 from tokenmill.executor.spec.draft import DraftModel, resolve_draft
 from tokenmill.executor.spec.rejection import accepted_prefix
@@ -142,7 +142,10 @@ class ModelRunner(CacheOwner):
             return self._execute(out, grammar_mask)
         except WorkerGroupError:
             raise
-        except RuntimeError as e:  # a collective failed: say which worker, if one died
+        except Exception as e:
+            # the workers may be waiting in a collective this step never reached: the ranks are
+            # out of step, so no later step may run (the error ends the engine core); it names
+            # the worker that died, if one did
             raise self.workers.fail(e) from e
 
     @torch.inference_mode()
@@ -199,11 +202,13 @@ class ModelRunner(CacheOwner):
         first_row = np.cumsum([0, *num_rows])
         drafts = [d for i, d in enumerate(out.spec_token_ids) if out.samples(i)] + [[] for _ in out.forked]
         if spec:  # a request with k drafts has k + 1 rows: its j-th verifies draft j, the last is the bonus
-            batch = self._sampling_batch([r for r, k in zip(sampling, num_rows) for _ in range(k)],
+            batch = build_sampling_batch(self.penalties, self.staging.to_device, self.model_config.vocab_size,
+                                         [r for r, k in zip(sampling, num_rows) for _ in range(k)],
                                          [j for k in num_rows for j in range(k)],
                                          [t for d in drafts for t in (*d, -1)])
         else:
-            batch = self._sampling_batch(sampling)
+            batch = build_sampling_batch(self.penalties, self.staging.to_device, self.model_config.vocab_size,
+                                         sampling)
         if grammar_mask is not None:
             rows, bits = grammar_mask
             batch.grammar = (self.staging.to_device(first_row[rows].astype(np.int64)), self.staging.to_device(bits))
@@ -248,74 +253,6 @@ class ModelRunner(CacheOwner):
         put = self.staging.to_device
         self.kv_cache.copy_slots(put(dst), put(src))
 
-    def _sampling_batch(self, requests: list[Request], offsets: list[int] | None = None,
-                        drafts: list[int] | None = None) -> SamplingBatch:
-        """Per-row settings; with drafts, row i is output position num_output_tokens +
-        offsets[i] of its request and verifies the draft token drafts[i] (-1: none)."""
-        vocab = self.model_config.vocab_size
-        draft_seeds = []
-        temps, top_k, top_p, min_p, seeds, unseeded, num_logprobs = [], [], [], [], [], [], []
-        banned_rows, banned_ids = [], []
-        bias_rows, bias_ids, bias_values = [], [], []
-        penalty_rows, penalty_requests = [], []
-        use_k = use_p = use_min_p = False
-        for row, r in enumerate(requests):
-            sp = r.sampling_params
-            temps.append(sp.temperature if not sp.greedy else 0.0)
-            k = sp.top_k if sp.top_k > 0 else vocab
-            top_k.append(min(k, vocab))
-            top_p.append(sp.top_p)
-            min_p.append(sp.min_p)
-            use_k |= k < vocab
-            use_p |= sp.top_p < 1.0
-            use_min_p |= sp.min_p > 0.0
-            if sp.seed is not None:
-                # the noise of output position j depends on (seed, j) only
-                position = r.num_output_tokens + (offsets[row] if offsets else 0)
-                seeds.append((row, hash((sp.seed, position)) & 0x7FFF_FFFF_FFFF_FFFF))
-                if drafts and drafts[row] >= 0:  # and its draft's acceptance on (seed, j, 1)
-                    draft_seeds.append((row, hash((sp.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF))
-            else:
-                unseeded.append(row)
-            # a best_of sequence needs its chosen token's logprob to be ranked
-            num_logprobs.append(sp.logprobs if sp.logprobs is not None or not r.ranked_by_logprob else 0)
-            if r.num_output_tokens < sp.min_tokens:
-                stops = set(r.eos_token_ids) | set(sp.stop_token_ids)
-                banned_rows.extend([row] * len(stops))
-                banned_ids.extend(stops)
-            if r.bad_words_token_ids:
-                bad = _bad_word_ends(r)
-                banned_rows.extend([row] * len(bad))
-                banned_ids.extend(bad)
-            if sp.logit_bias:
-                bias_rows.extend([row] * len(sp.logit_bias))
-                bias_ids.extend(sp.logit_bias)
-                bias_values.extend(sp.logit_bias.values())
-            if sp.has_penalties:
-                penalty_rows.append(row)
-                penalty_requests.append(r)
-        all_greedy = all(t == 0.0 for t in temps)
-        wanted = [n for n in num_logprobs if n is not None]
-        put = self.staging.to_device
-        return SamplingBatch(
-            temperature=put(np.array(temps, dtype=np.float32)),
-            top_k=put(np.array(top_k, dtype=np.int64)) if use_k and not all_greedy else None,
-            top_p=put(np.array(top_p, dtype=np.float32)) if use_p and not all_greedy else None,
-            min_p=put(np.array(min_p, dtype=np.float32)) if use_min_p and not all_greedy else None,
-            all_greedy=all_greedy,
-            seeds=seeds,
-            unseeded_rows=put(np.array(unseeded, dtype=np.int64)) if unseeded and not all_greedy else None,
-            banned=(put(np.array(banned_rows, dtype=np.int64)), put(np.array(banned_ids, dtype=np.int64)))
-            if banned_rows else None,
-            bias=(put(np.array(bias_rows, dtype=np.int64)), put(np.array(bias_ids, dtype=np.int64)),
-                  put(np.array(bias_values, dtype=np.float32))) if bias_rows else None,
-            penalties=self.penalties.batch(penalty_rows, penalty_requests, len(requests)) if penalty_rows else None,
-            num_logprobs=num_logprobs,
-            max_logprobs=max(wanted) if wanted else -1,
-            drafts=put(np.array(drafts, dtype=np.int64)) if drafts and not all_greedy else None,
-            draft_seeds=draft_seeds,
-        )
-
 
 def pad_rows(rows: list[list[int]]) -> np.ndarray:
     """The lists as the rows of one int32 array, zeros after each (one pass in numpy, not one
@@ -325,15 +262,3 @@ def pad_rows(rows: list[list[int]]) -> np.ndarray:
     table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(chain.from_iterable(rows), dtype=np.int32,
                                                                    count=int(lens.sum()))
     return table
-
-
-def _bad_word_ends(request: Request) -> list[int]:
-    """The tokens that would complete one of the request's bad words now: a one-token word
-    always, a longer one when the output ends with all of it but its last token."""
-    out = []
-    num_output = request.num_output_tokens
-    for seq in request.bad_words_token_ids:
-        k = len(seq) - 1
-        if k == 0 or (num_output >= k and request.all_token_ids[-k:] == seq[:-1]):
-            out.append(seq[-1])
-    return out

@@ -6,6 +6,7 @@ that tensor-parallel workers make the same logits calls as the driver (StepInput
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ from tokenmill.engine.request import Request, TokenLogprobs
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.sampler import Sampler
 from tokenmill.executor.staging import Staging
+
+if TYPE_CHECKING:
+    from tokenmill.executor.models.llama import LlamaForCausalLM
 
 PROMPT_LOGPROB_ROWS = 512  # prompt positions whose full-vocabulary logits exist at once
 
@@ -49,7 +53,7 @@ def prompt_logprob_rows(out: SchedulerOutput, query_lens: np.ndarray) -> PromptL
               for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS)]
     return PromptLogprobRows(chunks, targets, owners)
 
-def compute_prompt_logprobs(model, staging: Staging, sampler: Sampler, hidden: torch.Tensor,
+def compute_prompt_logprobs(model: LlamaForCausalLM, staging: Staging, sampler: Sampler, hidden: torch.Tensor,
                         plp: PromptLogprobRows) -> dict[str, list[TokenLogprobs]]:
     """The prompt logprobs of `plp`'s rows; such a step waits for the device once more than others."""
     targets, owners = plp.targets, plp.owners

@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineClient
 from tokenmill.engine.core_client import EngineCoreClient
 from tokenmill.engine.dp_client import DataParallelClient
-from tokenmill.engine.ray_core import connect_ray
+from tokenmill.engine.ray_core import connect_ray, cpus_per_core
 from tokenmill.router.summary import PrefixCacheLog
 from tokenmill.server.api import build_app
 from tokenmill.server.metrics import ServerMetrics
@@ -66,6 +66,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     if ray_address is not None and not ray:
         raise ValueError("--ray-address is for --distributed-executor-backend ray")
     if ray:
+        if config.tensor_parallel_size > 1:
+            raise ValueError("--distributed-executor-backend ray with --tensor-parallel-size > 1 is not supported "
+                             "yet (Ray places engine cores; their tensor-parallel workers need a machine of their own)")
         connect_ray(ray_address)
     # what the prefix cache holds, for a router in front of several servers (GET /v1/prefix_cache)
     prefix_cache = PrefixCacheLog(config.block_size, config.enable_prefix_caching)
@@ -76,7 +79,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, serve
     elif engine_process:
         engine = EngineCoreClient(config, max_waiting_requests=max_waiting_requests, observer=metrics,
                                   restart=restart_engine, on_kv_events=lambda events: prefix_cache.apply(0, events),
-                                  ray_cpus=(config.num_threads or 1) if ray else None)
+                                  ray_cpus=cpus_per_core(config.num_threads, 1, "--num-threads") if ray else None)
     else:
         engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests, observer=metrics,
                              on_kv_events=lambda events: prefix_cache.apply(0, events))

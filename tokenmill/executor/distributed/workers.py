@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 import pickle
-import socket
 import subprocess
 import sys
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -40,12 +40,6 @@ class WorkerGroupError(RuntimeError):
     """A tensor-parallel worker died or a collective failed: the engine cannot step any more."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TensorParallelWorkers:
     """The driver's side: starts ranks 1..N-1, joins the group as rank 0, sends them each step."""
 
@@ -56,11 +50,14 @@ class TensorParallelWorkers:
                              "(one per process); shut it down first (LLM.shutdown())")
         cpus = split_cpus(size, num_threads, "--tensor-parallel-size") if device.type == "cpu" else [None] * size
         self.driver_cpus = cpus[0]
-        port = _free_port()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        self.store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
+        # port 0: the store binds a free one itself (no window for another process to take it)
+        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)
+        port = self.store.port
         self.procs: list[subprocess.Popen] = []
+        # an engine dropped without shutdown() still stops its workers and leaves the group
+        self._finalizer = weakref.finalize(self, _end, self.procs)
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.executor.distributed.worker_proc"],
                                     stdin=subprocess.PIPE, start_new_session=False)
@@ -129,15 +126,21 @@ class TensorParallelWorkers:
         self.kill()
 
     def kill(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            if proc.stdin is not None:
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
-        self.procs = []
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._finalizer()
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    """Kills the workers that are left and leaves the process group (once; also when the
+    driver's TensorParallelWorkers is garbage-collected)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+    procs.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()

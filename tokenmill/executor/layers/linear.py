@@ -8,9 +8,14 @@ parallelism (`tp_shard`, executor/distributed) it first takes this rank's part o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from tokenmill.executor.distributed.parallel import ColumnShard, RowShard
 
 
 class Linear(nn.Module):
@@ -19,9 +24,9 @@ class Linear(nn.Module):
     it after loading and runs the layer."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int] | int, bias: bool = False,
-                 quant_method=None, tp_shard=None) -> None:
+                 quant_method=None, tp_shard: ColumnShard | RowShard | None = None) -> None:
         super().__init__()
-        self.tp_shard = tp_shard  # ColumnShard | RowShard | None
+        self.tp_shard = tp_shard
         if isinstance(shard_sizes, int):
             shard_sizes = {"": shard_sizes}
         self.shard_offsets: dict[str, tuple[int, int]] = {}

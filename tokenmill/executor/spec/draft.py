@@ -118,7 +118,6 @@ class DraftModel(Proposer, CacheOwner):
         (per sampling request, in order: the accepted drafts and the target's next token)."""
         for request in out.preempted:
             self.release(request.request_id)
-        bs = self.block_size
         chunks = []  # (request, first position, tokens): prompt chunks the draft keeps up with
         drafting = []  # (row, request, first position, tokens, room)
         j = 0
