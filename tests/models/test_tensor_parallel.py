@@ -121,7 +121,7 @@ def test_seeded_sampling_matches_one_rank(checkpoints, make_llm):
 
 @pytest.mark.parametrize("engine_args, message", [
     (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
-    (dict(tensor_parallel_size=4, num_threads=2), "exceeds the 2 CPU cores"),
+    (dict(tensor_parallel_size=4, num_threads=2), "tensor_parallel_size 4 exceeds the 2 cores to split"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
     (dict(tensor_parallel_size=2, quantization="int8"), "does not run with quantization"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),

@@ -62,9 +62,11 @@ class DataParallelClient(EngineClient):
         if size < 2:
             raise ValueError(f"--data-parallel-size must be >= 2 here (1 is a single engine core), got {size}")
         if ray:  # how many CPUs each replica reserves, not which: Ray picks the node
-            cpus = [list(range(cpus_per_core(config.num_threads, size, "--data-parallel-size")))] * size
+            cpus: list[list[int] | None] = [None] * size
+            threads = [cpus_per_core(config.num_threads, size, "--data-parallel-size")] * size
         else:
             cpus = split_cpus(size, config.num_threads, "--data-parallel-size")
+            threads = [len(c) for c in cpus]
         model_path = resolve_model_path(config.model)  # once, here: the replicas start on threads
         if config.model is not None:
             config = replace(config, model=str(model_path))
@@ -76,11 +78,11 @@ class DataParallelClient(EngineClient):
         self._loads = [0] * size  # requests each replica has in flight, as routed here
 
         def build(i: int) -> EngineCoreClient:
-            return EngineCoreClient(replace(config, num_threads=len(cpus[i])), max_waiting_requests,
+            return EngineCoreClient(replace(config, num_threads=threads[i]), max_waiting_requests,
                                     observer=_ReplicaObserver(self, i), restart=restart,
-                                    check_integrity=check_integrity, cpus=None if ray else cpus[i],
+                                    check_integrity=check_integrity, cpus=cpus[i],
                                     on_kv_events=lambda events, i=i: self._kv_events(i, events),
-                                    tokenizer=tokenizer, ray_cpus=len(cpus[i]) if ray else None)
+                                    tokenizer=tokenizer, ray_cpus=threads[i] if ray else None)
 
         with ThreadPoolExecutor(size) as pool:  # the replicas load at once
             futures = [pool.submit(build, i) for i in range(size)]
@@ -95,7 +97,7 @@ class DataParallelClient(EngineClient):
         self.processor, self.grammars = first.processor, first.grammars
         if ray:
             logger.info("data parallel: %d engine cores as Ray actors of %d CPUs each, routing %s", size,
-                        len(cpus[0]), routing)
+                        threads[0], routing)
         else:
             logger.info("data parallel: %d engine cores on cores %s, routing %s", size,
                         " | ".join(",".join(map(str, c)) for c in cpus), routing)

@@ -54,7 +54,7 @@ class ModelRunner(CacheOwner):
         self.config = config
         self.workers: TensorParallelWorkers | None = None
         if tp is None and config.tensor_parallel_size > 1:
-            check_tensor_parallel(model_config, config.tensor_parallel_size, device, config.num_threads)
+            check_tensor_parallel(model_config, config.tensor_parallel_size, device)
             self.workers = TensorParallelWorkers(
                 config.tensor_parallel_size, device, config.num_threads,
                 dict(config=config, model_config=model_config, model_path=model_path, device=device, dtype=dtype,

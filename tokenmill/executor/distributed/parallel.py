@@ -59,8 +59,9 @@ class TensorParallel:
         return self.rank * num_kv_heads // self.size
 
 
-def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, num_threads: int | None) -> None:
-    """Start-up errors for a size the model or the machine cannot split, naming the flag."""
+def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device) -> None:
+    """Start-up errors for a size the model or the CUDA devices cannot split, naming the flag
+    (the CPU cores are checked where they are split: split_cpus)."""
     flag = "tensor_parallel_size"
     if mc.num_heads % size:
         raise ValueError(f"{flag}={size} does not divide the model's {mc.num_heads} attention heads")
@@ -68,14 +69,8 @@ def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, num_
         raise ValueError(f"{flag}={size} and the model's {mc.num_kv_heads} KV heads: one must divide the other")
     if mc.intermediate_size % size:
         raise ValueError(f"{flag}={size} does not divide the model's intermediate size {mc.intermediate_size}")
-    if device.type == "cuda":
-        if size > torch.cuda.device_count():
-            raise ValueError(f"{flag}={size} exceeds the {torch.cuda.device_count()} CUDA devices torch sees")
-    else:
-        cores = num_threads or len(os.sched_getaffinity(0))
-        if size > cores:
-            raise ValueError(f"{flag}={size} exceeds the {cores} CPU cores to split between ranks "
-                             f"(num_threads or the cores this process may use; one each at least)")
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"{flag}={size} exceeds the {torch.cuda.device_count()} CUDA devices torch sees")
 
 
 def shard_model_config(mc: ModelConfig, size: int) -> ModelConfig:

@@ -48,7 +48,7 @@ class TensorParallelWorkers:
         if dist.is_initialized():
             raise ValueError("tensor_parallel_size > 1: this process already runs a tensor-parallel engine "
                              "(one per process); shut it down first (LLM.shutdown())")
-        cpus = split_cpus(size, num_threads, "--tensor-parallel-size") if device.type == "cpu" else [None] * size
+        cpus = split_cpus(size, num_threads, "tensor_parallel_size") if device.type == "cpu" else [None] * size
         self.driver_cpus = cpus[0]
         backend = "nccl" if device.type == "cuda" else "gloo"
         # port 0: the store binds a free one itself (no window for another process to take it)
@@ -60,7 +60,7 @@ class TensorParallelWorkers:
         self._finalizer = weakref.finalize(self, _end, self.procs)
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.executor.distributed.worker_proc"],
-                                    stdin=subprocess.PIPE, start_new_session=False)
+                                    stdin=subprocess.PIPE)
             pickle.dump(dict(rank=rank, size=size, port=port, backend=backend, cpus=cpus[rank],
                              log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
                              runner_args=runner_args), proc.stdin)

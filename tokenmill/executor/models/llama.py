@@ -77,7 +77,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.tp = tp
-        size = cfg.intermediate_size // (tp.size if tp else 1)
+        size = (shard_model_config(cfg, tp.size) if tp else cfg).intermediate_size
         gate_up_shard, down_shard = mlp_shards(tp, cfg) if tp else (None, None)
         prefix = f"model.layers.{layer}.mlp"
         self.gate_up_proj = Linear(cfg.hidden_size, {"gate": size, "up": size}, bias=cfg.mlp_bias,
