@@ -11,7 +11,8 @@ qwen3        the shape of Qwen3-0.6B's config (hidden 1024, 28 layers, 16 heads,
              head_dim 128, intermediate 3072, vocab 151936, tied embeddings, q/k norm),
              load_format=dummy, bfloat16; 256 requests, prompt and output lengths uniform in
              100..1024 random tokens, ignore_eos (nano-vllm's bench.py workload); tokenmill with
-             CUDA graphs and with enforce_eager.
+             CUDA graphs (async scheduling, the default), graphs without async scheduling, and
+             enforce_eager.
 fp8          the qwen3 run with quantization="fp8" (W8A8 through torch._scaled_mm) against bf16,
              both with CUDA graphs.
 fp8_quality  benchmarks/quant_quality.py --schemes fp8: the built-in model's perplexity, greedy
@@ -147,6 +148,10 @@ class Bench:
         self.rows.append(("  KV cache tokens / graph capture",
                           f"{graphs['kv_cache_tokens']:,} / {graphs.get('graph_capture_s', 0):.1f}s "
                           f"{graphs.get('graph_capture_mib', 0):.0f} MiB", ""))
+        in_step = self.throughput("tokenmill_sync", self.shape, async_scheduling=False)
+        self.rows.append(("tokenmill, graphs, no async scheduling: tok/s",
+                          f"{in_step['output_throughput']:,.0f} "
+                          f"(async {graphs['output_throughput'] / in_step['output_throughput']:.2f}x)", ""))
         eager = self.throughput("tokenmill_eager", self.shape, enforce_eager=True)
         self.rows.append(("tokenmill, enforce_eager: output tok/s", f"{eager['output_throughput']:,.0f}", ""))
 
@@ -379,7 +384,7 @@ def main() -> None:
             args.dtype = "float32"
     only = set(args.only.split(","))
     # cost estimates (s) on an H100, so a section that cannot finish is skipped, not cut off
-    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 90), ("fp8", bench.fp8, 60),
+    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 130), ("fp8", bench.fp8, 60),
                            ("fp8_quality", bench.fp8_quality, 60), ("steps", bench.steps, 40),
                            ("profile", bench.profile, 40), ("hf", bench.hf, 170), ("hf_cb", bench.hf_cb, 150),
                            ("llama8b", bench.llama8b, 90)]:

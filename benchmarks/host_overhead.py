@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenmill import LLM  # noqa: E402
 from tokenmill.bench.offline import copy_tokenizer  # noqa: E402
 from tokenmill.bench.steps import drain, fill_decode_batch  # noqa: E402
+from tokenmill.executor.sampler import SampledTokens  # noqa: E402
 
 
 def make_model(root: Path) -> Path:
@@ -65,7 +66,8 @@ def host_time(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, fl
 
     timed(runner.model, "forward")
     timed(runner.model, "compute_logits")
-    timed(runner, "sampler")
+    timed(runner.sampler, "sample")
+    timed(SampledTokens, "tokens")  # the wait for the ids, and their list
     try:
         engine.step()
         device_work[0] = 0.0

@@ -18,7 +18,7 @@ def test_every_engine_argument_has_a_flag():
 
 def test_generate_streams_text(checkpoints, capsys):
     rc = main(["generate", "def foo():", "--model", str(checkpoints("llama")), "--max-tokens", "5",
-               "--kv-cache-memory", "8MiB"])
+               "--kv-cache-memory", "8MiB", "--async-scheduling"])  # each step's tokens in the next call
     assert rc == 0
     assert capsys.readouterr().out.startswith("def foo():")
 
@@ -67,6 +67,8 @@ def test_bench_throughput_writes_json(checkpoints, tmp_path, capsys):
     (["generate", "hi", "--model", "/nonexistent/dir"], "not a checkpoint directory"),
     (["generate", "hi", "--frequency-penalty", "3"], "frequency_penalty must be in [-2, 2]"),
     (["generate", "hi", "--logit-bias", "[1]"], "--logit-bias: expected a JSON object"),
+    (["generate", "hi", "--async-scheduling", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     "async_scheduling does not run with speculative_config"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2

@@ -50,6 +50,9 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--attention-backend": ("attention_backend", dict(default="auto", choices=["auto", "cpu", "torch", "triton"],
                                                       help="auto: triton on CUDA, the native kernels on the CPU")),
     "--enforce-eager": ("enforce_eager", dict(action="store_true", help="CUDA: no CUDA graphs for decode steps")),
+    "--async-scheduling": ("async_scheduling", dict(
+        action=argparse.BooleanOptionalAction, default=None,
+        help="schedule the next step while the GPU runs this one (default: on for CUDA, off on the CPU)")),
     "--quantization": ("quantization", dict(default="auto", choices=["auto", "none", "int8", "fp8", "compressed-tensors"],
                                             help="int8: W8A8 on load (CPU); fp8: the same in fp8 (CUDA); auto: the checkpoint's own")),
     "--kv-cache-dtype": ("kv_cache_dtype", dict(default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],

@@ -125,6 +125,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | torch | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    # schedule step N + 1 while the device runs step N (engine.py); None: on for CUDA, off on the
+    # CPU (whose forward runs on the host thread, so nothing overlaps), off with speculative
+    # decoding or tensor parallel, which it does not run with yet
+    async_scheduling: bool | None = None
     quantization: str = "auto"  # auto (the checkpoint's quantization_config, else none) | none | int8 | fp8
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 | int8
     # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -171,6 +175,11 @@ class EngineConfig:
                                      ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
                 if value != off and not (name == "quantization" and value == "none"):
                     raise ValueError(f"tensor_parallel_size > 1 does not run with {name} (given {value!r}) yet")
+        if self.async_scheduling:
+            for name, value, off in (("speculative_config", self.speculative_config, None),
+                                     ("tensor_parallel_size", self.tensor_parallel_size, 1)):
+                if value != off:
+                    raise ValueError(f"async_scheduling does not run with {name} (given {value!r}) yet")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None \
                 and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

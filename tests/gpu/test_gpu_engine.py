@@ -88,6 +88,24 @@ def test_cuda_graphs_equal_eager(checkpoint):
             assert lp_a[tok] == pytest.approx(lp_b[tok], abs=1e-3)
 
 
+@pytest.mark.parametrize("engine_args", [{}, dict(num_gpu_blocks_override=12)], ids=["plain", "preemption"])
+def test_async_scheduling_equals_scheduling_after_each_update(checkpoint, engine_args):
+    """CUDA graphs with each decode's input id put on the device from the last step's ids, and
+    steps scheduled while the GPU runs the last one: the same tokens and logprobs as sync."""
+    llm, fast = run(checkpoint, dtype="float32", **engine_args)
+    assert llm.engine.runner.async_scheduling and llm.engine.runner.graphs is not None
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=5, min_tokens=4)
+    fast_sampled = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sampled, use_tqdm=False)
+    llm.engine.kv_cache.check_integrity()
+    in_step, slow = run(checkpoint, dtype="float32", async_scheduling=False, **engine_args)
+    slow_sampled = in_step.generate([{"prompt_token_ids": p} for p in PROMPTS], sampled, use_tqdm=False)
+    assert tokens(fast) == tokens(slow) and tokens(fast_sampled) == tokens(slow_sampled)
+    for a, b in zip(fast, slow):
+        for step, (lp_a, lp_b) in enumerate(zip(a.outputs[0].logprobs, b.outputs[0].logprobs)):
+            tok = a.outputs[0].token_ids[step]
+            assert lp_a[tok] == pytest.approx(lp_b[tok], abs=1e-5)
+
+
 @pytest.mark.parametrize("engine_args", [
     {},
     dict(max_num_batched_tokens=7),  # chunked prefill

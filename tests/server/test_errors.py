@@ -175,19 +175,19 @@ def test_failed_step_fails_its_requests_not_the_server():
     srv = start_server()
     try:
         runner = srv.engine.engine.runner
-        real_execute = runner.execute
+        real_launch = runner.launch
 
         def broken(*args, **kwargs):
-            runner.execute = real_execute  # only the next step fails
+            runner.launch = real_launch  # only the next step fails
             raise RuntimeError("injected fault")
 
-        runner.execute = broken
+        runner.launch = broken
         prompt = " ".join(f"x{i}" for i in range(40))  # full blocks: registered when the step was scheduled
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
         srv.wait_idle()
         assert not srv.engine.engine.kv_cache.pool.cached  # their K/V was never written: not findable
-        runner.execute = broken
+        runner.launch = broken
         with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30,
                           json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]

@@ -22,14 +22,17 @@ from tokenmill.executor.memory import profile_forward
 pytest.importorskip("tokenmill.executor.attention.triton", reason="Triton is not installed")
 
 
-def test_graph_runner_pads_to_buckets_and_matches_eager(checkpoints):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graph_runner_pads_to_buckets_and_matches_eager(checkpoints, async_scheduling):
+    """With async scheduling, each decode's input id is put into the static buffer on the device."""
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
     path = str(checkpoints("qwen3"))
     eager = LLM(path, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton")
     expected = eager.generate(prompts, params, use_tqdm=False)
 
-    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", max_num_seqs=5)
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", max_num_seqs=5,
+              async_scheduling=async_scheduling)
     runner = llm.engine.runner
     runner.graphs = CudaGraphRunner(runner, max_batch_size=5)
     runner.graphs.capture()

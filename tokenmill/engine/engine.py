@@ -1,7 +1,13 @@
 """Engine: validates and adds requests, runs steps, turns finished work into RequestOutputs.
 
-    step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update()
+    step():  Scheduler.schedule() -> ModelRunner.launch() -> .finish() -> Scheduler.update()
              -> detokenize, stop strings -> RequestOutput deltas
+
+With async scheduling (CUDA's default) a call schedules and launches step N, then
+finishes step N - 1 while the device runs N: the host's scheduling, input building
+and output processing overlap the GPU instead of leaving it idle between steps. A
+request decoding in both computes its step N - 1 token in step N from the device
+(Request.num_pending_tokens); one that ends in step N - 1 wastes its row of step N.
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from tokenmill.engine.input_processor import EngineLimits, InputProcessor
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.outputs import Seq, Tracked, failed_output, snapshot
 from tokenmill.engine.request import Request, RequestOutput, RequestStatus
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.executor.loader import choose_device, choose_dtype, resolve_model_path
-from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.executor.model_runner import LaunchedStep, ModelRunner
 from tokenmill.executor.spec.ngram import NgramProposer
 from tokenmill.executor.spec.proposer import Proposer
 from tokenmill.sampling_params import SamplingParams
@@ -61,6 +67,11 @@ class Engine:
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | ({tokenizer_eos} if tokenizer_eos is not None
                                                                   else set())))
         self._tracked: dict[str, Tracked] = {}
+        # async scheduling: the launched step whose tokens the next call takes; and the requests
+        # whose next inputs need their last tokens on the host (grammar, bad words), which make
+        # each step wait for the one before it is scheduled
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep, bool, float] | None = None
+        self._sync_only: set[str] = set()
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids) if self.tokenizer else None
         spec = config.speculative_config
         self.proposer: Proposer | None = self.runner.drafter if spec is not None and spec.method == "draft_model" \
@@ -97,6 +108,8 @@ class Engine:
             self.grammars.add(request)
         else:
             self.scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is not None or request.bad_words_token_ids:
+            self._sync_only.add(request.request_id)
         self._tracked[request.request_id] = Tracked(request, prompt, [self._new_seq(request)], final_only)
 
     def _new_seq(self, request: Request) -> Seq:
@@ -135,6 +148,8 @@ class Engine:
         return snapshot(tracked, tracked.seqs[:1], text, [], finished=True)
 
     def has_unfinished_requests(self) -> bool:
+        # a step in flight holds no other request: until its update, its requests are the
+        # scheduler's (one with nothing else in the scheduler only ended ones, whose tokens go)
         return self.scheduler.has_unfinished() or bool(self.grammars and self.grammars.pending)
 
     @property
@@ -159,15 +174,36 @@ class Engine:
             for request in started:
                 self.scheduler.add_request(request)
             compiled = [self.fail_request(request, str(error)) for request, error in failed]
+        outputs = compiled
+        last, self._in_flight = self._in_flight, None
+        if last is not None and self._sync_only:
+            outputs += self._complete(*last)  # a grammar or bad words need its tokens before scheduling
+            last = None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if waiting:  # nothing to run until a grammar is ready: wait for one, briefly
-                self.grammars.wait(timeout=0.05)
-            return compiled
-        mask = self.grammars.bitmask(sched.sampling_requests) if self.grammars is not None else None
-        result = self.runner.execute(sched, mask)
+        launched = None
+        if not sched.is_empty:
+            for request in sched.preempted:  # what the runner keeps for it is rebuilt when it resumes
+                self.runner.release(request.request_id)
+            mask = self.grammars.bitmask(sched.sampling_requests) if self.grammars is not None else None
+            launched = (sched, self.runner.launch(sched, mask), mask is not None, start)
+        elif waiting and last is None:  # nothing to run until a grammar is ready: wait for one, briefly
+            self.grammars.wait(timeout=0.05)
+        if last is not None:  # the device runs the step just launched meanwhile
+            outputs += self._complete(*last)
+        if launched is not None:
+            if self.runner.async_scheduling:
+                self._in_flight = launched  # its outputs come with the next step's call
+            else:
+                outputs += self._complete(*launched)
+        return outputs
+
+    def _complete(self, sched: SchedulerOutput, launched: LaunchedStep, constrained: bool,
+                  start: float) -> list[RequestOutput]:
+        """Waits for a launched step's tokens, updates its requests and returns their outputs.
+        `constrained`: some of its rows sampled under a grammar."""
+        result = self.runner.finish(launched)
         changed = self.scheduler.update(sched, result)
-        if mask is not None:  # each constrained sequence follows its token; a complete output stops
+        if constrained:  # each constrained sequence follows its token; a complete output stops
             for request, verdict in self.grammars.advance(changed):
                 if verdict != "stop":
                     request.error = verdict
@@ -187,7 +223,7 @@ class Engine:
             if request.index == len(tracked.seqs):  # forked this step (they come in index order)
                 tracked.seqs.append(self._new_seq(request))
             groups.setdefault(request.group_id, (tracked, []))[1].append(tracked.seqs[request.index])
-        outputs = compiled
+        outputs = []
         for tracked, seqs in groups.values():
             try:
                 outputs.extend(self._outputs(tracked, seqs))
@@ -234,6 +270,7 @@ class Engine:
         for seq in tracked.seqs:
             self._release(seq.request.request_id)
         self._tracked.pop(tracked.request.request_id, None)
+        self._sync_only.discard(tracked.request.request_id)
         if self.grammars is not None:
             self.grammars.pending.pop(tracked.request.request_id, None)
 

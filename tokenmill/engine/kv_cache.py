@@ -232,6 +232,13 @@ class KVCacheManager:
             self._register_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return True
 
+    def register_known(self, request: Request) -> None:
+        """Makes findable the full blocks of tokens computed (or scheduled) before they were
+        known: async scheduling computes a token sampled by the step before, so its block could
+        not be keyed when it was scheduled."""
+        if self.enable_prefix_caching and request.request_id in self.req_blocks:
+            self._register_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+
     def free(self, request: Request, finished: bool = True) -> None:
         """Releases a request's blocks (last block first, so a prompt's tail is evicted
         before its shared head). A preempted request keeps its block keys."""

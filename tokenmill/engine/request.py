@@ -49,7 +49,7 @@ class Request:
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "last_token_time", "bad_words_token_ids", "prompt_logprobs", "parent", "index",
                  "num_forks", "cumulative_logprob", "grammar", "spec_token_ids", "spec_accepted",
-                 "spec_rejected", "tenant", "tenant_weight")
+                 "spec_rejected", "tenant", "tenant_weight", "num_pending_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
@@ -97,6 +97,10 @@ class Request:
         # one (float: they fade while the request drafts nothing, executor/spec/proposer.py)
         self.spec_accepted = 0.0
         self.spec_rejected = 0.0
+        # tokens sampled by scheduled steps and not appended yet: 1 from the scheduling of a
+        # sampling step to its update; with async scheduling, the next step is scheduled before
+        # that update, and computes the pending token from the device (engine.py)
+        self.num_pending_tokens = 0
 
     def fork(self, index: int) -> Request:
         """Sequence `index` of this request's group, at the end of its prefill: the same prompt
@@ -144,8 +148,9 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        """num_tokens plus the drafts to verify: what the next step may compute."""
-        return len(self.all_token_ids) + len(self.spec_token_ids)
+        """num_tokens plus the drafts to verify and the sampled tokens not yet appended: what the
+        next step may compute."""
+        return len(self.all_token_ids) + len(self.spec_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

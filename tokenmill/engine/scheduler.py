@@ -140,6 +140,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_tokens and self._ends_with_pending(request):
+                i += 1  # async scheduling: its token in flight is its last; nothing more to compute
+                continue
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.waiting.pick_victim(self.running)
@@ -170,6 +173,7 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             out.block_tables.append(self.kv.get_block_ids(request.request_id))
             samples = request.num_computed_tokens + n >= request.num_tokens
+            request.num_pending_tokens += samples
             # the drafts the budget left room for
             del request.spec_token_ids[max(0, request.num_computed_tokens + n - request.num_tokens):]
             out.spec_token_ids.append(request.spec_token_ids)
@@ -186,6 +190,7 @@ class Scheduler:
         here, sharing its blocks, each sampling its first token from the same logits."""
         for index in range(1, request.num_forks + 1):
             seq = request.fork(index)
+            seq.num_pending_tokens = 1  # it samples this step
             self.kv.fork(request, seq)
             self.requests[seq.request_id] = seq
             self.running.append(seq)
@@ -234,8 +239,12 @@ class Scheduler:
             if request is not None:  # else ended during the step
                 request.prompt_logprobs.extend(entries)
         for request, tokens in zip(out.sampling_requests, result.sampled, strict=True):
-            if request.status != RequestStatus.RUNNING:
+            running = request.status == RequestStatus.RUNNING
+            # async scheduling: a request preempted after this step was launched keeps its token
+            # (it resumes with it, as it would had the step ended first); one that ended does not
+            if not running and request.status != RequestStatus.PREEMPTED:
                 continue
+            request.num_pending_tokens -= 1
             if request.spec_token_ids:
                 self._count_accepted(request, len(request.spec_token_ids), len(tokens) - 1)
                 request.spec_token_ids = []
@@ -252,11 +261,14 @@ class Scheduler:
                     break
             self.waiting.on_sampled(request, num_appended)
             if status is not None:
-                self.running.remove(request)
+                (self.running if running else self.waiting).remove(request)
                 self._finish(request, status)
-            elif request.num_computed_tokens >= request.num_tokens:  # rejected drafts: roll back
+            elif running and request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens:
+                # rejected drafts: roll back
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request, request.num_computed_tokens)
+            elif running and request.num_pending_tokens:  # async: the next step computes it already; its
+                self.kv.register_known(request)  # block may be full now that the token is known
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
@@ -289,6 +301,13 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the request's sampled tokens in flight reach max_tokens or max_model_len, so
+        that it ends with them (_check_stop) and is not scheduled again."""
+        pending = request.num_pending_tokens
+        return (request.num_output_tokens + pending >= request.max_tokens
+                or request.num_tokens + pending >= self.max_model_len)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.finish_time = time.time()
@@ -298,7 +317,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the request's blocks and send it back to the
         queue, ahead of later arrivals; it recomputes its prompt and output so far when it resumes
-        (much of it from the prefix cache) and goes on exactly where it stopped."""
+        (much of it from the prefix cache) and goes on exactly where it stopped. A token still
+        in flight (async scheduling) is appended when its step's update comes, before it resumes."""
         self.kv.free(request, finished=False)
         request.num_computed_tokens = 0
         request.spec_token_ids = []

@@ -136,13 +136,16 @@ class CudaGraphRunner:
         return bool(self.buckets) and len(query_lens) <= self.buckets[-1] and int(query_lens.max()) == 1
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-            block_table: np.ndarray) -> torch.Tensor:
-        """One decode step of len(input_ids) requests; returns their hidden states."""
+            block_table: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One decode step of len(input_ids) requests; returns their hidden states. `fill`:
+        (positions, token ids) on the device, put into the input ids after the copy."""
         n = len(input_ids)
         b = next(x for x in self.buckets if x >= n)
         pad = b - n
         put = self.runner.staging.to_device
         put(_padded(input_ids, pad), out=self.input_ids[:b])
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         put(_padded(positions, pad), out=self.positions[:b])
         put(_padded(slot_mapping, pad, -1), out=self.slot_mapping[:b])
         put(_padded(seq_lens, pad), out=self.seq_lens[:b])

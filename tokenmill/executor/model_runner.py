@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.request import TokenLogprobs
 from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner, cache_dtype
@@ -32,7 +34,7 @@ from tokenmill.executor.loader import load_model
 from tokenmill.executor.memory import num_kv_blocks
 from tokenmill.executor.penalties import PenaltyState
 from tokenmill.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
-from tokenmill.executor.sampler import Sampler
+from tokenmill.executor.sampler import SampledTokens, Sampler
 from tokenmill.executor.sampling_batch import build_sampling_batch
 from tokenmill.executor.spec.adaptive import StepCost, measure_step_cost
 from tokenmill.executor.spec.draft import DraftModel, resolve_draft
@@ -41,6 +43,16 @@ from tokenmill.executor.staging import Staging
 from tokenmill.executor.step_input import StepInput
 
 logger = logging.getLogger("tokenmill")
+
+
+class LaunchedStep(NamedTuple):
+    """A step whose forward and sampling are queued (ModelRunner.launch): its tokens are either
+    on the host already (`sampled`: with speculation, whose drafts need them at once) or on
+    their way there (`pending`)."""
+
+    sampled: list[list[tuple[int, TokenLogprobs | None]]] | None
+    pending: SampledTokens | None
+    prompt_logprobs: dict[str, list[TokenLogprobs]]
 
 
 class ModelRunner(CacheOwner):
@@ -116,6 +128,12 @@ class ModelRunner(CacheOwner):
             logger.info("adaptive speculation: step time by tokens %s", self.step_cost)
         self.drafter = DraftModel(self, spec, *draft, self.num_blocks, max_num_batched_tokens, kernels) \
             if draft else None
+        # async scheduling (engine.py): the last step's sampled ids on the device, and each
+        # sampling request's row in them
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else \
+            device.type == "cuda" and spec is None and tp is None and config.tensor_parallel_size == 1
+        self._last_ids: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         self.graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and not config.enforce_eager and tp is None:
             self.graphs = CudaGraphRunner(self, max_batch_size=config.max_num_seqs)
@@ -136,10 +154,18 @@ class ModelRunner(CacheOwner):
         """Runs one step: the sampled tokens, and the prompt logprobs of the chunks that want them.
         `grammar_mask`: (rows, packed allowed-token bits) of the sampling rows that have a
         grammar (structured outputs; Grammars.bitmask)."""
+        return self.finish(self.launch(out, grammar_mask))
+
+    def launch(self, out: SchedulerOutput, grammar_mask: tuple[list[int], np.ndarray] | None = None
+               ) -> LaunchedStep:
+        """Starts one step: its forward and sampling are queued on the device, and only
+        `finish` waits for the sampled ids. A request whose last token is still pending (async
+        scheduling scheduled this step before the last one's update) reads it from the last
+        step's ids on the device."""
         if self.workers is None:
-            return self._execute(out, grammar_mask)
+            return self._launch(out, grammar_mask)
         try:
-            return self._execute(out, grammar_mask)
+            return self._launch(out, grammar_mask)
         except WorkerGroupError:
             raise
         except Exception as e:
@@ -148,15 +174,27 @@ class ModelRunner(CacheOwner):
             # the worker that died, if one did
             raise self.workers.fail(e) from e
 
+    def finish(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """The launched step's results on the host: its one wait for the device."""
+        sampled = step.sampled if step.pending is None else [[t] for t in step.pending.tokens()]
+        return ModelRunnerOutput(sampled, step.prompt_logprobs)
+
     @torch.inference_mode()
-    def _execute(self, out: SchedulerOutput, grammar_mask: tuple[list[int], np.ndarray] | None) -> ModelRunnerOutput:
+    def _launch(self, out: SchedulerOutput, grammar_mask: tuple[list[int], np.ndarray] | None) -> LaunchedStep:
         bs = self.block_size
         query_lens = np.array(out.num_scheduled_tokens, dtype=np.int32)
         computed = np.array(out.num_computed_tokens, dtype=np.int64)
         input_ids: list[int] = []
+        pending_at: list[int] = []  # where a token sampled by the last step goes in input_ids
+        pending_rows: list[int] = []  # and its row in that step's ids
         for request, start, n, drafts in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens,
                                              out.spec_token_ids):
-            input_ids.extend(request.all_token_ids[start:start + n])
+            known = request.all_token_ids[start:start + n - len(drafts)]
+            input_ids.extend(known)
+            if len(known) + len(drafts) < n:
+                pending_at.append(len(input_ids))
+                pending_rows.append(self._last_rows[request.request_id])
+                input_ids.append(0)
             input_ids.extend(drafts)  # scheduled after the known tokens
         block_table = pad_rows(out.block_tables)
         positions, slot_mapping = token_slots(query_lens, computed, block_table, bs)
@@ -190,48 +228,63 @@ class ModelRunner(CacheOwner):
             self.workers.send(step)
 
         self.staging.begin()
-        hidden = self._forward(step)
+        put = self.staging.to_device
+        fill = None
+        if pending_at:  # the last step's sampled ids, gathered on the device: no wait for them
+            fill = (put(np.array(pending_at, dtype=np.int64)),
+                    self._last_ids[put(np.array(pending_rows, dtype=np.int64))])
+        hidden = self._forward(step, fill)
         prompt_logprobs = compute_prompt_logprobs(self.model, self.staging, self.sampler, hidden, plp) if plp else {}
         if not sampling:
             self.staging.end()
             if self.drafter is not None:  # it keeps up with the prompt chunks
                 self.drafter.run(out, [])
-            return ModelRunnerOutput([], prompt_logprobs)
+            return LaunchedStep([], None, prompt_logprobs)
         if sample_rows is not None:
-            hidden = hidden[self.staging.to_device(sample_rows)]
+            hidden = hidden[put(sample_rows)]
         first_row = np.cumsum([0, *num_rows])
         drafts = [d for i, d in enumerate(out.spec_token_ids) if out.samples(i)] + [[] for _ in out.forked]
         if spec:  # a request with k drafts has k + 1 rows: its j-th verifies draft j, the last is the bonus
-            batch = build_sampling_batch(self.penalties, self.staging.to_device, self.model_config.vocab_size,
+            batch = build_sampling_batch(self.penalties, put, self.model_config.vocab_size,
                                          [r for r, k in zip(sampling, num_rows) for _ in range(k)],
                                          [j for k in num_rows for j in range(k)],
                                          [t for d in drafts for t in (*d, -1)])
         else:
-            batch = build_sampling_batch(self.penalties, self.staging.to_device, self.model_config.vocab_size,
-                                         sampling)
+            batch = build_sampling_batch(self.penalties, put, self.model_config.vocab_size, sampling)
         if grammar_mask is not None:
             rows, bits = grammar_mask
-            batch.grammar = (self.staging.to_device(first_row[rows].astype(np.int64)), self.staging.to_device(bits))
+            batch.grammar = (put(first_row[rows].astype(np.int64)), put(bits))
         self.staging.end()
-        tokens = self.sampler(self.model.compute_logits(hidden), batch)
+        pending = self.sampler.sample(self.model.compute_logits(hidden), batch)
+        if self.async_scheduling and not spec:  # the next step may read these ids before they are on the host
+            self._last_ids = pending.ids
+            self._last_rows = {r.request_id: j for j, r in enumerate(sampling)}
+        if not spec and self.drafter is None:
+            return LaunchedStep(None, pending, prompt_logprobs)
+        tokens = pending.tokens()
         if spec:
             sampled = [accepted_prefix(d, tokens[first_row[j]:first_row[j + 1]]) for j, d in enumerate(drafts)]
         else:
             sampled = [[t] for t in tokens]
         if self.drafter is not None:  # the drafts the next step verifies
             self.drafter.run(out, sampled)
-        return ModelRunnerOutput(sampled, prompt_logprobs)
+        return LaunchedStep(sampled, None, prompt_logprobs)
 
-    def _forward(self, step: StepInput) -> torch.Tensor:
-        """The step's hidden states [tokens, hidden], after its copy-on-write block copies."""
+    def _forward(self, step: StepInput, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The step's hidden states [tokens, hidden], after its copy-on-write block copies.
+        `fill`: (positions in the input ids, the token ids to put there), on the device."""
         if step.block_copies:
             self._copy_blocks(step.block_copies)
         if self.graphs is not None and self.graphs.can_run(step.query_lens):
-            return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_table)
+            return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_table,
+                                   fill)
         put = self.staging.to_device
         self.attn.begin_step(AttentionMetadata.from_host(step.query_lens, step.seq_lens, step.block_table,
                                                          put(step.slot_mapping), self.block_size, put))
-        return self.model(put(step.input_ids), put(step.positions), self.attn)
+        input_ids = put(step.input_ids)
+        if fill is not None:
+            input_ids[fill[0]] = fill[1]
+        return self.model(input_ids, put(step.positions), self.attn)
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInput) -> None:

@@ -63,6 +63,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [N, vocab] in the model's dtype. Returns (token id, logprobs or None) per row."""
+        return self.sample(logits, batch).tokens()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+        """The rows' tokens (and logprobs) on the device, their copies to the host started: no
+        host sync until SampledTokens.tokens() (async scheduling runs the next step meanwhile)."""
         if batch.max_logprobs >= 0 or not batch.all_greedy or batch.bias is not None or batch.penalties is not None:
             logits = logits.float()  # greedy alone needs no widening: bf16 -> f32 keeps the order
         if batch.grammar is not None:  # before the logprobs: they are those of the constrained distribution
@@ -86,18 +91,30 @@ class Sampler:
         if batch.penalties is not None:
             batch.penalties.state.record(batch.penalties, ids)
         if raw_logprobs is None:
-            return [(t, None) for t in self.to_host(ids)[0].tolist()]  # the one host sync of the step
-        return self._with_logprobs(ids, raw_logprobs, batch)
+            return SampledTokens(ids, *self._start_copies(ids), num_logprobs=None)
+        chosen = raw_logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).clamp(min=LOGPROB_FLOOR)
+        k = batch.max_logprobs
+        top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k > 0 else (chosen, ids)
+        top_vals = top_vals.clamp(min=LOGPROB_FLOOR)  # a masked token's -inf: JSON has no infinity
+        # ids, their logprobs and the top-k come back together: still one host sync
+        return SampledTokens(ids, *self._start_copies(ids, chosen, top_vals, top_ids),
+                             num_logprobs=batch.num_logprobs)
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """All of them on the host after one wait: non-blocking copies, then one event."""
+        host, copied = self._start_copies(*tensors)
+        if copied is not None:
+            copied.synchronize()
+        return host
+
+    def _start_copies(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Non-blocking copies to the host and the event that says they are done (None on the CPU)."""
         if not self.cuda:
-            return list(tensors)
+            return list(tensors), None
         out = [t.to("cpu", non_blocking=True) for t in tensors]
         copied = torch.cuda.Event()
         copied.record()
-        copied.synchronize()
-        return out
+        return out, copied
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Row-wise argmax, first index on ties (the native CPU kernel where it is built)."""
@@ -148,16 +165,26 @@ class Sampler:
             uniform[row] = torch.rand(1, device=probs.device, generator=gen)[0]
         return rejection_sample(probs, batch.drafts, uniform)
 
-    def _with_logprobs(self, ids: torch.Tensor, logprobs: torch.Tensor,
-                       batch: SamplingBatch) -> list[tuple[int, TokenLogprobs | None]]:
-        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).clamp(min=LOGPROB_FLOOR)
-        k = batch.max_logprobs
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (chosen, ids)
-        top_vals = top_vals.clamp(min=LOGPROB_FLOOR)  # a masked token's -inf: JSON has no infinity
-        # ids, their logprobs and the top-k come back together: still one host sync
-        token_ids, chosen, top_vals, top_ids = (t.tolist() for t in self.to_host(ids, chosen, top_vals, top_ids))
+
+@dataclass(slots=True)
+class SampledTokens:
+    """A step's sampled ids on the device (`ids`, which async scheduling feeds to the next
+    step's inputs) and their copies on their way to the host."""
+
+    ids: torch.Tensor
+    host: list[torch.Tensor]  # ids, then (chosen logprob, top values, top ids) when asked
+    copied: torch.cuda.Event | None  # recorded after the copies (CUDA)
+    num_logprobs: list[int | None] | None  # per row; None: no row asked for logprobs
+
+    def tokens(self) -> list[tuple[int, TokenLogprobs | None]]:
+        """(token id, logprobs or None) per row: waits for the copies (the step's one host sync)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.num_logprobs is None:
+            return [(t, None) for t in self.host[0].tolist()]
+        token_ids, chosen, top_vals, top_ids = (t.tolist() for t in self.host)
         out: list[tuple[int, TokenLogprobs | None]] = []
-        for row, (token, n) in enumerate(zip(token_ids, batch.num_logprobs)):
+        for row, (token, n) in enumerate(zip(token_ids, self.num_logprobs)):
             if n is None:
                 out.append((token, None))
                 continue

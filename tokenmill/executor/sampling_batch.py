@@ -18,7 +18,9 @@ def build_sampling_batch(penalties: PenaltyState, put: Callable[[np.ndarray], to
                      requests: list[Request], offsets: list[int] | None = None,
                      drafts: list[int] | None = None) -> SamplingBatch:
     """Per-row settings; with drafts, row i is output position num_output_tokens +
-    offsets[i] of its request and verifies the draft token drafts[i] (-1: none)."""
+    offsets[i] of its request and verifies the draft token drafts[i] (-1: none). A request
+    with a grammar or bad words must have no token pending (async scheduling runs them in
+    step: engine.py)."""
     draft_seeds = []
     temps, top_k, top_p, min_p, seeds, unseeded, num_logprobs = [], [], [], [], [], [], []
     banned_rows, banned_ids = [], []
@@ -27,6 +29,9 @@ def build_sampling_batch(penalties: PenaltyState, put: Callable[[np.ndarray], to
     use_k = use_p = use_min_p = False
     for row, r in enumerate(requests):
         sp = r.sampling_params
+        # the output position this row samples: past the tokens sampled before it and not yet
+        # appended (async scheduling: the last step's, still on its way to the host)
+        position = r.num_output_tokens + max(r.num_pending_tokens - 1, 0) + (offsets[row] if offsets else 0)
         temps.append(sp.temperature if not sp.greedy else 0.0)
         k = sp.top_k if sp.top_k > 0 else vocab
         top_k.append(min(k, vocab))
@@ -37,7 +42,6 @@ def build_sampling_batch(penalties: PenaltyState, put: Callable[[np.ndarray], to
         use_min_p |= sp.min_p > 0.0
         if sp.seed is not None:
             # the noise of output position j depends on (seed, j) only
-            position = r.num_output_tokens + (offsets[row] if offsets else 0)
             seeds.append((row, hash((sp.seed, position)) & 0x7FFF_FFFF_FFFF_FFFF))
             if drafts and drafts[row] >= 0:  # and its draft's acceptance on (seed, j, 1)
                 draft_seeds.append((row, hash((sp.seed, position, 1)) & 0x7FFF_FFFF_FFFF_FFFF))
@@ -45,7 +49,7 @@ def build_sampling_batch(penalties: PenaltyState, put: Callable[[np.ndarray], to
             unseeded.append(row)
         # a best_of sequence needs its chosen token's logprob to be ranked
         num_logprobs.append(sp.logprobs if sp.logprobs is not None or not r.ranked_by_logprob else 0)
-        if r.num_output_tokens < sp.min_tokens:
+        if position < sp.min_tokens:
             stops = set(r.eos_token_ids) | set(sp.stop_token_ids)
             banned_rows.extend([row] * len(stops))
             banned_ids.extend(stops)
