@@ -184,3 +184,19 @@ def test_async_scheduling_with_what_it_cannot_run_with_is_an_error(kwargs, key):
 def test_the_default_is_off_on_the_cpu(engines):
     llm = LLM(dtype="float32", kv_cache_memory="1MiB")
     assert llm.engine.runner.async_scheduling is False
+
+
+def test_aborting_a_request_whose_fork_step_is_in_flight_ends_every_sequence():
+    """The step that forks n sequences is in flight when the abort comes: the forks end too."""
+    llm = make(True, kv_cache_memory="4MiB")
+    engine = llm.engine
+    request, text = engine.make_request("def f(x):", SamplingParams(max_tokens=30, temperature=0.8, n=3))
+    engine.add_request(request, text)
+    assert engine.step() == []  # the prefill, which forks, is launched and in flight
+    assert len(engine.scheduler.running) == 3
+    out = engine.abort_request(request.request_id)
+    assert out is not None and out.finished
+    assert not engine.scheduler.running and not engine.has_unfinished_requests()
+    assert engine.step() == []  # takes the step in flight; nothing comes of it
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv_cache.check_integrity()

@@ -37,11 +37,20 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / best
 
 
-def decode_step_time(llm: LLM, batch: int, context: int, steps: int = 30) -> tuple[float, float]:
-    """Median wall time of a decode-only step of `batch` requests at ~`context` tokens, and
-    the GPU's idle time per step (wall time minus the time the GPU spent in the step)."""
+def decode_step_time(llm: LLM, batch: int, context: int, steps: int = 30) -> tuple[float, float, float]:
+    """Median wall time of a decode-only step of `batch` requests at ~`context` tokens, each
+    call synced on its own; the GPU's idle time per step (wall time minus the time the GPU
+    spent in the step); and the mean time of a step among `steps` calls in a row, synced once
+    at the end (with async scheduling the host's work of one overlaps the GPU's of the next:
+    this is the step time a throughput run sees)."""
     engine = llm.engine
-    fill_decode_batch(engine, batch, context, steps + 8)  # prompts first: what is timed are decode-only steps
+    fill_decode_batch(engine, batch, context, 2 * steps + 8)  # prompts first: what is timed are decode-only steps
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    pipelined = (time.perf_counter() - t0) / steps
     walls, gpu = [], []
     for _ in range(steps):
         ev0, ev1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if _cuda() \
@@ -59,7 +68,7 @@ def decode_step_time(llm: LLM, batch: int, context: int, steps: int = 30) -> tup
     drain(engine)
     walls.sort()
     idle = sorted(w - g for w, g in zip(walls, gpu))
-    return walls[len(walls) // 2], idle[len(idle) // 2]
+    return walls[len(walls) // 2], idle[len(idle) // 2], pipelined
 
 
 def fill_decode_batch(engine, batch: int, context: int, max_tokens: int, final_only: bool = False,

@@ -110,7 +110,9 @@ class Engine:
             self.scheduler.add_request(request)
         if request.sampling_params.structured_outputs is not None or request.bad_words_token_ids:
             self._sync_only.add(request.request_id)
-        self._tracked[request.request_id] = Tracked(request, prompt, [self._new_seq(request)], final_only)
+        quiet = (final_only or request.ranked_by_logprob) and not request.sampling_params.stop_strings
+        self._tracked[request.request_id] = Tracked(request, prompt, [self._new_seq(request)], final_only,
+                                                    quiet=quiet)
 
     def _new_seq(self, request: Request) -> Seq:
         sp = request.sampling_params
@@ -180,10 +182,12 @@ class Engine:
             outputs += self._complete(*last)  # a grammar or bad words need its tokens before scheduling
             last = None
         sched = self.scheduler.schedule()
+        for _, seq in sched.forked:  # parallel sampling: the group's sequences, known from now (an abort
+            tracked = self._tracked.get(seq.group_id)  # while this step is in flight ends them too)
+            if tracked is not None:
+                tracked.seqs.append(self._new_seq(seq))
         launched = None
         if not sched.is_empty:
-            for request in sched.preempted:  # what the runner keeps for it is rebuilt when it resumes
-                self.runner.release(request.request_id)
             mask = self.grammars.bitmask(sched.sampling_requests) if self.grammars is not None else None
             launched = (sched, self.runner.launch(sched, mask), mask is not None, start)
         elif waiting and last is None:  # nothing to run until a grammar is ready: wait for one, briefly
@@ -215,13 +219,14 @@ class Engine:
         self.total_steps += 1
         groups: dict[str, tuple[Tracked, list[Seq]]] = {}
         for request in changed:
-            if request.is_finished:  # a sequence's runner state goes when it ends, not with its group
+            finished = request.is_finished
+            if finished:  # a sequence's runner state goes when it ends, not with its group
                 self._release(request.request_id)
             tracked = self._tracked.get(request.group_id)
             if tracked is None:
                 continue
-            if request.index == len(tracked.seqs):  # forked this step (they come in index order)
-                tracked.seqs.append(self._new_seq(request))
+            if tracked.quiet and not finished:
+                continue
             groups.setdefault(request.group_id, (tracked, []))[1].append(tracked.seqs[request.index])
         outputs = []
         for tracked, seqs in groups.values():

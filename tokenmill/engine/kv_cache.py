@@ -148,6 +148,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same, as ids: each step's block tables
         self.req_keys: dict[str, list[BlockKey]] = {}  # keys of the request's full blocks so far
         self.req_num_registered: dict[str, int] = {}  # how many of its blocks are in the cache map
         self.pending_copies: list[tuple[int, int]] = []  # copy on write, for the next step
@@ -196,7 +197,9 @@ class KVCacheManager:
         return self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) <= self.pool.num_free
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table: a copy of the ids kept as blocks come and go (a list copy,
+        not a pass over its blocks each step)."""
+        return list(self.req_block_ids.get(request_id, ()))
 
     # -- actions -----------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -220,12 +223,14 @@ class KVCacheManager:
         if self._needs_copy(request):
             self._copy_on_write(request)
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        ids = self.req_block_ids.setdefault(request.request_id, [])
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = -(-(num_computed + num_new_tokens) // self.block_size)
         if total > len(blocks):
             blocks.extend(self.pool.take(total - len(blocks)))
+        ids.extend(b.block_id for b in blocks[len(ids):])
         if self.enable_prefix_caching:
             # Tokens scheduled this step are known already, so their full blocks can be
             # registered now: the runner writes K/V before any attention reads it.
@@ -244,6 +249,7 @@ class KVCacheManager:
         before its shared head). A preempted request keeps its block keys."""
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, [])
+        self.req_block_ids.pop(rid, None)
         # Blocks registered for tokens that were scheduled but never computed (a request
         # preempted in the very step that scheduled it) must not stay findable: their
         # K/V was never written. Only this request can hold them, as they are past its
@@ -264,6 +270,7 @@ class KVCacheManager:
         if blocks is not None and len(blocks) > keep:
             extra = blocks[keep:]
             del blocks[keep:]
+            del self.req_block_ids[request.request_id][keep:]
             self.pool.release(reversed(extra))
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -271,6 +278,7 @@ class KVCacheManager:
         blocks = self.req_blocks[parent.request_id]
         self.pool.touch(blocks)
         self.req_blocks[child.request_id] = list(blocks)
+        self.req_block_ids[child.request_id] = list(self.req_block_ids[parent.request_id])
         self.req_keys[child.request_id] = list(self.req_keys.get(parent.request_id, ()))
         self.req_num_registered[child.request_id] = self.req_num_registered.get(parent.request_id, 0)
 
@@ -298,6 +306,7 @@ class KVCacheManager:
         [own] = self.pool.take(1)
         self.pool.release([shared])
         blocks[i] = own
+        self.req_block_ids[request.request_id][i] = own.block_id
         self.pending_copies.append((shared.block_id, own.block_id))
 
     def _keys(self, request: Request) -> list[BlockKey]:
@@ -323,8 +332,10 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Raises AssertionError if the pool and the block tables disagree."""
         holders: dict[int, int] = {}
+        assert self.req_block_ids.keys() == self.req_blocks.keys(), "block-id tables and block lists disagree"
         for rid, blocks in self.req_blocks.items():
             ids = [b.block_id for b in blocks]
+            assert self.req_block_ids[rid] == ids, f"request {rid}'s block-id table is stale"
             assert len(ids) == len(set(ids)), f"request {rid} holds a block twice: {ids}"
             for i in ids:
                 holders[i] = holders.get(i, 0) + 1

@@ -35,6 +35,9 @@ class Tracked:
     seqs: list[Seq]
     final_only: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None  # as dicts, built once when complete
+    # no output until it finishes (final_only, or ranked by best_of) and no stop strings to
+    # check as tokens come: a step that does not end one of its sequences has nothing to do
+    quiet: bool = False
 
     @property
     def finished(self) -> bool:

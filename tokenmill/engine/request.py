@@ -49,7 +49,8 @@ class Request:
                  "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
                  "last_token_time", "bad_words_token_ids", "prompt_logprobs", "parent", "index",
                  "num_forks", "cumulative_logprob", "grammar", "spec_token_ids", "spec_accepted",
-                 "spec_rejected", "tenant", "tenant_weight", "num_pending_tokens")
+                 "spec_rejected", "tenant", "tenant_weight", "num_pending_tokens",
+                 "sampling_row")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_tokens: int | None = None,
@@ -101,6 +102,7 @@ class Request:
         # sampling step to its update; with async scheduling, the next step is scheduled before
         # that update, and computes the pending token from the device (engine.py)
         self.num_pending_tokens = 0
+        self.sampling_row: tuple | None = None  # its settings for a sampling batch (executor/sampling_batch.py)
 
     def fork(self, index: int) -> Request:
         """Sequence `index` of this request's group, at the end of its prefill: the same prompt

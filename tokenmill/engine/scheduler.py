@@ -234,10 +234,12 @@ class Scheduler:
         token or finished this step."""
         changed = []
         now = time.time()
-        for request_id, entries in result.prompt_logprobs.items():
-            request = self.requests.get(request_id)
-            if request is not None:  # else ended during the step
-                request.prompt_logprobs.extend(entries)
+        if result.prompt_logprobs:
+            for request in out.requests:
+                entries = result.prompt_logprobs.get(request.request_id)
+                # not if it ended during the step (its id may be another request's by now)
+                if entries is not None and self.requests.get(request.request_id) is request:
+                    request.prompt_logprobs.extend(entries)
         for request, tokens in zip(out.sampling_requests, result.sampled, strict=True):
             running = request.status == RequestStatus.RUNNING
             # async scheduling: a request preempted after this step was launched keeps its token
