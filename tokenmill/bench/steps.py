@@ -45,6 +45,7 @@ def decode_step_time(llm: LLM, batch: int, context: int, steps: int = 30) -> tup
     this is the step time a throughput run sees)."""
     engine = llm.engine
     fill_decode_batch(engine, batch, context, 2 * steps + 8)  # prompts first: what is timed are decode-only steps
+    engine.step()  # with async scheduling the fill's last step is still in flight: not timed
     _sync()
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -182,8 +182,10 @@ class Engine:
             outputs += self._complete(*last)  # a grammar or bad words need its tokens before scheduling
             last = None
         sched = self.scheduler.schedule()
-        for _, seq in sched.forked:  # parallel sampling: the group's sequences, known from now (an abort
-            tracked = self._tracked.get(seq.group_id)  # while this step is in flight ends them too)
+        # parallel sampling: the group's sequences are known from now, so an abort while this
+        # step is in flight ends them too
+        for _, seq in sched.forked:
+            tracked = self._tracked.get(seq.group_id)
             if tracked is not None:
                 tracked.seqs.append(self._new_seq(seq))
         launched = None
