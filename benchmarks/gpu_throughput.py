@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from tokenmill import LLM  # noqa: E402
-from tokenmill.bench.hf_baseline import hf_static_throughput  # noqa: E402
+from tokenmill.bench.hf_baseline import hf_continuous, hf_model, hf_static_throughput  # noqa: E402
 from tokenmill.bench.offline import copy_tokenizer, run_throughput  # noqa: E402
 from tokenmill.bench.steps import copy_bandwidth, decode_step_time, profile_decode_steps, profile_host  # noqa: E402
 from tokenmill.bench.workloads import random_requests  # noqa: E402
@@ -307,43 +307,6 @@ def checkpoint(root: Path, shape: dict) -> Path:
     return path
 
 
-def hf_model(shape: dict, dtype: str):
-    import transformers
-
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in shape.items() if k != "architectures"})
-    torch_dtype = getattr(torch, dtype)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    return model.eval()
-
-
-def hf_continuous(model, requests, output_len: int) -> dict:
-    """transformers' continuous batching (`generate_batch`: paged attention, its own CUDA graphs).
-    The first call sizes its manager for this workload, warms up and is kept
-    (persistent_manager); the second, on the warm manager, is the one that counts."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-    runs = []
-    try:
-        for _ in range(2):
-            _sync()
-            start = time.perf_counter()
-            with torch.no_grad():  # not inference_mode: its worker thread updates tensors made here
-                outputs = model.generate_batch(inputs=[r.prompt for r in requests], generation_config=config,
-                                               persistent_manager=True)
-            _sync()
-            elapsed = time.perf_counter() - start
-            tokens = sum(len(o.generated_tokens) for o in outputs.values())
-            runs.append({"elapsed_s": elapsed, "output_tokens": tokens, "output_throughput": tokens / elapsed})
-            print(f"  HF continuous batching: {elapsed:.1f}s, {tokens / elapsed:,.0f} tok/s", flush=True)
-    finally:
-        model.destroy_cached_continuous_batching_manager()
-    return {**runs[-1], "cold_run": runs[0]}
-
-
 def free_gpu() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -352,11 +315,6 @@ def free_gpu() -> None:
 
 def _cuda() -> bool:
     return torch.cuda.is_available()
-
-
-def _sync() -> None:
-    if _cuda():
-        torch.cuda.synchronize()
 
 
 def main() -> None:

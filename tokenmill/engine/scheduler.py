@@ -269,8 +269,10 @@ class Scheduler:
                 # rejected drafts: roll back
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request, request.num_computed_tokens)
-            elif running and request.num_pending_tokens:  # async: the next step computes it already; its
-                self.kv.register_known(request)  # block may be full now that the token is known
+            elif running and request.num_pending_tokens:
+                # async scheduling: the next step computes this token already, and its block
+                # may be full now that the token is known
+                self.kv.register_known(request)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
