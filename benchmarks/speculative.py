@@ -96,8 +96,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a checkpoint directory, or 56m: the random 56M Llama of "
                         "cpu_throughput.py with the built-in tokenizer (its step is bound by its GEMMs); "
                         "default: the built-in model")
+    parser.add_argument("--draft-model", default=None, help="the draft methods' checkpoint (default: the built-in "
+                        "draft, the default draft for the built-in model)")
     parser.add_argument("--output-json", default="bench_results/speculative.json")
     args = parser.parse_args()
+    if args.draft_model:
+        for name in ("draft", "draft-fixed"):
+            METHODS[name] = {**METHODS[name], "model": args.draft_model}
 
     _, val_files = split_files()
     most = 2 * max(max(args.concurrency), 4)

@@ -94,21 +94,47 @@ def make_model(shape: dict, vocab_size: int, max_position: int):
     return LlamaForCausalLM(config)
 
 
-def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+def lm_loss(model, tokens: torch.Tensor, bf16: bool = True) -> torch.Tensor:
     """Mean next-token cross-entropy over a (batch, seq_len + 1) block of token ids."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(tokens[:, :-1]).logits
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
+def distill_loss(model, teacher, tokens: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+    """Mean forward KL(teacher || model) of the next-token distributions over a (batch,
+    seq_len + 1) block: the student learns the teacher's whole distribution, whose argmax is
+    what a speculative draft has to guess."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(tokens[:, :-1]).logits
+        with torch.no_grad():
+            target = teacher(tokens[:, :-1]).logits
+    return F.kl_div(F.log_softmax(logits.float().flatten(0, 1), -1), F.log_softmax(target.float().flatten(0, 1), -1),
+                    log_target=True, reduction="batchmean")
+
+
 @torch.no_grad()
-def validation_loss(model, val: torch.Tensor, seq_len: int, batch_size: int) -> float:
+def top1_agreement(model, teacher, val: torch.Tensor, seq_len: int, batch_size: int, bf16: bool = True) -> float:
+    """The share of held-out positions (non-overlapping windows) where the model's argmax is
+    the teacher's: a greedy draft's chance of being accepted, given the tokens before it."""
+    n = (len(val) - 1) // seq_len
+    blocks = val[:n * seq_len].long().view(n, seq_len)
+    model.eval()
+    same = 0
+    for b in blocks.split(batch_size):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            same += (model(b).logits.argmax(-1) == teacher(b).logits.argmax(-1)).sum().item()
+    return same / blocks.numel()
+
+
+@torch.no_grad()
+def validation_loss(model, val: torch.Tensor, seq_len: int, batch_size: int, bf16: bool = True) -> float:
     """Mean loss over every token of the held-out stream, in non-overlapping windows."""
     n = (len(val) - 1) // seq_len
     windows = val[:n * seq_len + 1].long()
     blocks = torch.stack([windows[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)])
     model.eval()
-    total = sum(lm_loss(model, b).item() * len(b) for b in blocks.split(batch_size))
+    total = sum(lm_loss(model, b, bf16).item() * len(b) for b in blocks.split(batch_size))
     return total / n
 
 
@@ -118,8 +144,19 @@ def train(name: str, args: argparse.Namespace, train_ids: torch.Tensor, val_ids:
     overrides = {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers}
     shape = {**shape, **{k: v for k, v in overrides.items() if v}}
     steps = args.steps or steps
+    lr = args.lr or lr
     torch.manual_seed(args.seed)
-    model = make_model(shape, vocab_size, args.max_position)
+    if args.init_from:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        shape = {k: getattr(model.config, k) for k in shape}
+    else:
+        model = make_model(shape, vocab_size, args.max_position)
+    teacher = None
+    if args.distill_from:
+        from transformers import AutoModelForCausalLM
+        teacher = AutoModelForCausalLM.from_pretrained(args.distill_from, dtype=torch.float32).eval()
+        teacher.requires_grad_(False)
     num_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -130,13 +167,19 @@ def train(name: str, args: argparse.Namespace, train_ids: torch.Tensor, val_ids:
         torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, total_iters=warmup),
         torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps - warmup, 1), eta_min=lr / 10),
     ], milestones=[warmup])
-    step_loss = torch.compile(lm_loss) if args.compile else lm_loss
+    if teacher is None:
+        loss_fn = lambda m, t: lm_loss(m, t, args.bf16)  # noqa: E731
+    else:
+        loss_fn = lambda m, t: distill_loss(m, teacher, t, args.bf16)  # noqa: E731
+    step_loss = torch.compile(loss_fn) if args.compile else loss_fn
     gen = torch.Generator().manual_seed(args.seed)
     offsets = torch.arange(args.seq_len + 1)
     tokens_per_step = args.batch_size * args.seq_len
     print(f"[{name}] {num_params / 1e6:.2f}M parameters {shape}; {steps} steps of {tokens_per_step} tokens "
           f"({steps * tokens_per_step / len(train_ids):.2f} epochs of {len(train_ids) / 1e6:.2f}M), "
-          f"{torch.get_num_threads()} thread(s)", flush=True)
+          f"{torch.get_num_threads()} thread(s)"
+          + (f", distilled from {args.distill_from}" if teacher is not None else "")
+          + (f", starting from {args.init_from}" if args.init_from else ""), flush=True)
 
     model.train()
     start_wall, start_cpu = time.perf_counter(), time.process_time()
@@ -159,7 +202,11 @@ def train(name: str, args: argparse.Namespace, train_ids: torch.Tensor, val_ids:
     wall = time.perf_counter() - start_wall
 
     model = model.to(torch.bfloat16)  # what ships; the validation loss is measured on these weights
-    val_loss = validation_loss(model, val_ids, args.seq_len, args.batch_size)
+    val_loss = validation_loss(model, val_ids, args.seq_len, args.batch_size, args.bf16)
+    if teacher is not None:
+        agree = top1_agreement(model.float(), teacher, val_ids, args.seq_len, args.batch_size, args.bf16)
+        model = model.to(torch.bfloat16)
+        print(f"[{name}] argmax equal to the teacher's at {100 * agree:.1f}% of held-out positions", flush=True)
     out = args.output_root / folder
     model.save_pretrained(out)
     copy_tokenizer(out)
@@ -269,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, help="override the model's step count")
+    parser.add_argument("--lr", type=float, help="override the model's peak learning rate")
     parser.add_argument("--hidden-size", type=int, help="override the model's hidden size (tests)")
     parser.add_argument("--num-layers", type=int, help="override the model's layer count (tests)")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -278,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--max-files", type=int, help="use only the first N train and N held-out files (tests)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
+    parser.add_argument("--no-bf16", dest="bf16", action="store_false",
+                        help="train in float32 (for CPUs without native bf16, where autocast is slow)")
+    parser.add_argument("--distill-from", type=Path, metavar="DIR",
+                        help="train on this model's next-token distributions (KL) instead of the data's tokens")
+    parser.add_argument("--init-from", type=Path, metavar="DIR", help="start from this checkpoint's weights")
+    parser.add_argument("--agreement", nargs=2, type=Path, metavar=("DRAFT", "TARGET"),
+                        help="report how often DRAFT's argmax is TARGET's on the held-out stream, then exit")
     parser.add_argument("--eval", type=Path, metavar="DIR", help="evaluate a saved model instead of training")
     parser.add_argument("--eval-functions", type=int, default=200)
     parser.add_argument("--eval-context", type=int, default=384, help="prompt tokens before the signature end")
@@ -294,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(train_files)} training files, {len(val_files)} held out ({len(val_ids)} tokens)", flush=True)
     if args.eval:
         evaluate(args.eval, args, val_files, val_ids)
+        return 0
+    if args.agreement:
+        from transformers import AutoModelForCausalLM
+        draft, target = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in args.agreement)
+        agree = top1_agreement(draft, target.eval(), val_ids, args.seq_len, args.batch_size, args.bf16)
+        print(f"{args.agreement[0]}: argmax equal to {args.agreement[1]}'s at {100 * agree:.1f}% of "
+              f"held-out positions", flush=True)
         return 0
     train_ids = token_stream(tokenizer, train_files)
     for name in args.models:

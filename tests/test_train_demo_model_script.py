@@ -33,6 +33,28 @@ def test_train_demo_model_script(tmp_path):
     assert len(out.outputs[0].token_ids) == 3
 
 
+def test_distilling_a_draft_from_a_teacher(tmp_path):
+    """--distill-from trains on the teacher's distributions (here the shipped draft teaches a
+    tiny one), --init-from starts from a checkpoint's weights and shape, and both report how
+    often the student's argmax is the teacher's."""
+    teacher = ROOT / "tokenmill" / "data" / "default_draft_model"
+    common = ["--models", "draft", "--threads", "1", "--steps", "2", "--seq-len", "32", "--batch-size", "2",
+              "--max-files", "4", "--no-compile", "--no-bf16", "--distill-from", str(teacher)]
+    first = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_demo_model.py"), *common,
+                            "--hidden-size", "32", "--num-layers", "1", "--output-root", str(tmp_path / "a")],
+                           check=True, capture_output=True, text=True, timeout=300)
+    assert "distilled from" in first.stdout and "argmax equal to the teacher's at" in first.stdout
+    second = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_demo_model.py"), *common,
+                             "--init-from", str(tmp_path / "a" / "default_draft_model"),
+                             "--output-root", str(tmp_path / "b")],
+                            check=True, capture_output=True, text=True, timeout=300)
+    assert "starting from" in second.stdout
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "default_draft_model")
+    assert hf.config.hidden_size == 32 and hf.config.num_hidden_layers == 1  # the init's shape, not the default
+
+
 def test_held_out_files_are_a_fixed_few_percent():
     paths = [f"pkg{i}/mod{j}.py" for i in range(20) for j in range(50)]
     held = [p for p in paths if is_held_out(p)]

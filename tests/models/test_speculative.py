@@ -169,3 +169,33 @@ def test_sampled_tokens_keep_the_distribution_of_decoding_without_drafts(engines
         assert scipy.stats.chi2_contingency(list(zip(*table))).pvalue > 1e-3, (pos, ca, cb)
     again = spec.generate([prompt] * 8, [replace(p, seed=p.seed + 1000) for p in params[:8]], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in b[:8]]
+
+
+def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
+    """The start-up timing runs the draft alone; in the engine its forwards can cost more
+    (the target's weights evict the draft's from the cache, another load on the machine).
+    Adaptive speculation times each step's drafting as it runs: when forwards are made 50 ms
+    slower, requests soon get no drafts at all."""
+    import time
+
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB",
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 4})
+    drafter = llm.engine.runner.drafter
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    by_k = lambda: list(llm.engine.stats()["spec_decode_num_steps_by_k"])  # noqa: E731
+    for _ in range(4):  # cheap drafts of a repetitive prompt are verified (once the costs are learnt)
+        llm.generate([PROMPTS[2]], params, use_tqdm=False)
+        if sum(by_k()[1:]) > 0:
+            break
+    assert sum(by_k()[1:]) > 0
+
+    forward = drafter._forward
+    drafter._forward = lambda *a, **kw: (time.sleep(0.05), forward(*a, **kw))[1]
+    llm.generate([PROMPTS[2]], replace(params, max_tokens=96), use_tqdm=False)  # learns the cost
+    learnt = drafter.draft_cost(1)
+    assert learnt > float(drafter.draft_cost.curve(1))  # above what start-up measured
+    before = by_k()
+    llm.generate([PROMPTS[2]], params, use_tqdm=False)
+    slow = [b - a for a, b in zip(before, by_k())]
+    assert slow[0] >= 0.9 * sum(slow), slow  # almost every step without drafts
+    drafter._forward = forward

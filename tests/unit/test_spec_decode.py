@@ -207,6 +207,23 @@ def test_step_cost_interpolates_and_never_falls():
     assert cost.overhead == pytest.approx(0.5) and cost(4) == pytest.approx(1.5)
 
 
+def test_step_cost_fits_the_engine_steps_scale_and_overhead():
+    """Steps that cost twice the start-up curve plus 2 ms, at token counts that differ, give
+    scale 2 and overhead 2 ms; one stall counts for at most 4x the prediction; with nothing
+    to time, the fit drifts back towards the curve."""
+    cost = StepCost([1, 8, 64], [0.001, 0.002, 0.010], fit_scale=True)
+    for i in range(300):
+        n = (1, 4, 16, 64)[i % 4]
+        cost.observe(n, 0.002 + 2 * float(cost.curve(n)))
+    assert cost.scale == pytest.approx(2.0, rel=1e-3) and cost.overhead == pytest.approx(0.002, rel=1e-2)
+    before = cost(1)
+    cost.observe(1, 10.0)  # a stall
+    assert before < cost(1) < 2 * before  # unclipped, the 10 s stall would have made it about 1 s
+    for _ in range(1000):
+        cost.fade()
+    assert cost.scale == pytest.approx(1.0, abs=1e-3) and cost.overhead < 1e-6
+
+
 def test_step_overhead_makes_drafts_worth_more():
     """A step's fixed cost beyond its forward is paid by its tokens, drafts included: the
     same forward keeps more drafts when the step costs more than the forward."""

@@ -245,8 +245,9 @@ class Engine:
             if tracked.finished:
                 self._forget(tracked)
         cost = self.proposer.cost if self.proposer is not None else None
-        if cost is not None and sched.is_decode_only:  # what the step costs beyond its forward
-            cost.observe(sched.total_num_scheduled_tokens, time.perf_counter() - start)
+        if cost is not None and sched.is_decode_only:  # what the step costs beyond its forwards
+            drafting = getattr(self.proposer, "seconds", 0.0)  # the draft model's, which it learns itself
+            cost.observe(sched.total_num_scheduled_tokens, time.perf_counter() - start - drafting)
         return outputs
 
     def _outputs(self, tracked: Tracked, seqs: list[Seq]) -> list[RequestOutput]:

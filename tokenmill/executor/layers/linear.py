@@ -17,6 +17,12 @@ from torch.nn import functional as F
 if TYPE_CHECKING:
     from tokenmill.executor.distributed.parallel import ColumnShard, RowShard
 
+# float32 weights with fewer elements than this also keep their plain copy, which MKL's GEMM
+# runs faster than oneDNN's packed layout up to PLAIN_ROWS rows (measured on an AVX2 CPU by
+# benchmarks/linear_layout.py; 16-bit weights were not measured this way and only pack)
+SMALL_FLOAT32_WEIGHT = 1 << 18
+PLAIN_ROWS = 4
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b), whose output rows may be split into named shards. With a
@@ -38,6 +44,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.small: torch.Tensor | None = None  # the plain weight kept beside the packed one
         self.quant_method = quant_method
         if quant_method is not None:
             quant_method.create_weights(self)
@@ -46,6 +53,8 @@ class Linear(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         if self.packed is not None:
+            if self.small is not None and x.shape[0] <= PLAIN_ROWS:
+                return F.linear(x, self.small, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -53,8 +62,11 @@ class Linear(nn.Module):
         """Switches to oneDNN's packed layout once weights are loaded, on the CPU: 16-bit
         weights are 15-40% faster on small batches; float32 ones 1.3-1.5x faster end to
         end than MKL's GEMM on an AVX2 AMD CPU (the 56M model, 1 and 64 requests), up to
-        2.8x at the LM head's shape. This module's plain copy is dropped. A quantized
-        layer packs as its method says."""
+        2.8x at the LM head's shape. Small float32 weights keep their plain copy too, for
+        steps of at most PLAIN_ROWS rows: oneDNN's call costs about 30 us more there, which
+        at one row makes a forward of the built-in model 11% slower and of its draft 26%
+        (`benchmarks/linear_layout.py`). Otherwise the plain copy is dropped once packed.
+        A quantized layer packs as its method says."""
         if self.quant_method is not None:
             self.quant_method.process_weights_after_loading(self)
             return
@@ -65,6 +77,8 @@ class Linear(nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
             except RuntimeError:  # no 16-bit path in oneDNN on this CPU (no AVX-512 or AVX-NE-CONVERT)
                 return
+            if w.dtype == torch.float32 and w.numel() < SMALL_FLOAT32_WEIGHT:
+                self.small = w.detach()
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:

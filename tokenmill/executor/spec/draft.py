@@ -22,6 +22,7 @@ Drafts are the draft model's argmax, a point mass, so the verifier's rejection s
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,9 +104,12 @@ class DraftModel(Proposer, CacheOwner):
         self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V is in the cache
         self.drafts: dict[str, list[int]] = {}  # made this step, for the next
         self.prior = 0.5  # acceptance over all requests so far: the start of each request's own
+        self.seconds = 0.0  # spent drafting in the last step (the target's step cost leaves it out)
+        self.forwards: list[int] = []  # the tokens of each decode-shaped draft forward of the last step
+        self.num_forwards = 0  # and how many forwards it ran in all
         self.draft_cost: StepCost | None = None
         if self.cost is not None:
-            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024))
+            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), fit_scale=True)
             logger.info("adaptive speculation: draft forward time by tokens %s", self.draft_cost)
 
     def release(self, request_id: str) -> None:
@@ -116,6 +120,19 @@ class DraftModel(Proposer, CacheOwner):
     def run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]]) -> None:
         """Drafts for the step's sampling requests, from the tokens they have once `sampled`
         (per sampling request, in order: the accepted drafts and the target's next token)."""
+        start = time.perf_counter()
+        self.forwards, self.num_forwards = [], 0
+        try:
+            self._run(out, sampled)
+        finally:
+            self.seconds = time.perf_counter() - start
+        if self.draft_cost is not None and self.forwards and len(self.forwards) == self.num_forwards:
+            # the adaptive cost learns what drafting costs in the engine's step, its host work
+            # included: the start-up timing ran the draft alone, its weights in cache
+            curve = float(np.mean(self.draft_cost.curve(self.forwards)))
+            self.draft_cost.observe_curve(curve, self.seconds / len(self.forwards))
+
+    def _run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]]) -> None:
         for request in out.preempted:
             self.release(request.request_id)
         chunks = []  # (request, first position, tokens): prompt chunks the draft keeps up with
@@ -144,6 +161,8 @@ class DraftModel(Proposer, CacheOwner):
         else:
             ks = [room for *_, room in drafting]
         drafting = [(d, k) for d, k in zip(drafting, ks) if k > 0][:self.scratch_rows]
+        if not drafting and self.draft_cost is not None:
+            self.draft_cost.fade()  # so that drafting is tried again some time
         if not drafting and not chunks:
             return
         # forward 1: the chunks, then the drafting requests (logits at each one's last token)
@@ -162,7 +181,7 @@ class DraftModel(Proposer, CacheOwner):
         starts = np.array([s for _, s, _ in rows], dtype=np.int64)
         ids = [t for _, _, tokens in rows for t in tokens]
         last = np.cumsum(query_lens)[len(chunks):] - 1
-        tokens = self._forward(query_lens, starts, table, ids, last)
+        tokens = self._forward(query_lens, starts, table, ids, last, decode=not chunks)
         for _, request, start, chunk in chunks:
             self.computed[request.request_id] = start + len(chunk)
         if not drafting:
@@ -183,8 +202,12 @@ class DraftModel(Proposer, CacheOwner):
             self.drafts[request.request_id] = d
 
     def _forward(self, query_lens: np.ndarray, starts: np.ndarray, table: np.ndarray, ids: list[int],
-                 logits_rows: np.ndarray) -> list[int]:
-        """One draft forward; the argmax at `logits_rows` (may be none)."""
+                 logits_rows: np.ndarray, decode: bool = True) -> list[int]:
+        """One draft forward; the argmax at `logits_rows` (may be none). `decode`: no prompt
+        chunks among its rows (the forwards the adaptive cost models)."""
+        self.num_forwards += 1
+        if decode:
+            self.forwards.append(len(ids))
         positions, slots = token_slots(query_lens, starts, table, self.block_size)
         put = self.staging.to_device
         self.staging.begin()
