@@ -148,7 +148,12 @@ def train(name: str, args: argparse.Namespace, train_ids: torch.Tensor, val_ids:
     torch.manual_seed(args.seed)
     if args.init_from:
         from transformers import AutoModelForCausalLM
+        if args.hidden_size or args.num_layers:
+            raise SystemExit("--init-from takes the checkpoint's shape: drop --hidden-size and --num-layers")
         model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        if model.config.vocab_size != vocab_size:
+            raise SystemExit(f"--init-from: the checkpoint's vocabulary has {model.config.vocab_size} tokens, "
+                             f"the tokenizer's {vocab_size}")
         shape = {k: getattr(model.config, k) for k in shape}
     else:
         model = make_model(shape, vocab_size, args.max_position)

@@ -31,32 +31,26 @@ if TYPE_CHECKING:
 
 
 class StepCost:
-    """Seconds of one step by its tokens: the forward, `scale` times the start-up curve
-    (piecewise linear in the tokens), plus `overhead`, the rest of the step, which a draft
-    does not add to. The overhead is learnt from the steps as the engine runs them, and with
-    `fit_scale` the scale too (the draft model's forwards: see `observe`)."""
+    """Seconds of one step by its tokens: the forward (piecewise linear in the tokens,
+    timed at start-up) plus `overhead`, the rest of the step, which a draft does not add
+    to, learnt from the steps as the engine runs them. `robust` (the draft model's cost):
+    stalls are clipped and the overhead fades while nothing is timed (see `observe_curve`)."""
 
-    def __init__(self, tokens: list[int], seconds: list[float], fit_scale: bool = False) -> None:
-        self.fit_scale = fit_scale
+    def __init__(self, tokens: list[int], seconds: list[float], robust: bool = False) -> None:
         self.tokens = np.asarray(tokens, dtype=np.float64)
         # a step never gets cheaper with more tokens (timing noise can say otherwise)
         self.seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64))
         self.overhead = 0.0
-        self.scale = 1.0
+        self.robust = robust
         self.attention = 0.0  # seconds a query token adds per token of context it attends to
-        self._sums = np.zeros(5)  # decayed sums of 1, x, y, x^2, x*y over observed steps
 
-    def curve(self, num_tokens):
-        """The start-up timing's seconds at `num_tokens` (an int or an array of them); past the
-        last measured point, its last slope."""
+    def forward(self, num_tokens):
+        """The forward's seconds at `num_tokens` (an int or an array of them); past the last
+        measured point, its last slope."""
         t, s = self.tokens, self.seconds
         slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else s[-1] / t[-1]
         n = np.asarray(num_tokens, dtype=np.float64)
         return np.where(n <= t[-1], np.interp(n, t, s), s[-1] + slope * (n - t[-1]))
-
-    def forward(self, num_tokens):
-        """The forward's seconds at `num_tokens` in the running engine."""
-        return self.scale * self.curve(num_tokens)
 
     def __call__(self, num_tokens: int) -> float:
         return float(self.forward(num_tokens)) + self.overhead
@@ -64,41 +58,26 @@ class StepCost:
     def observe(self, num_tokens: int, seconds: float, decay: float = 0.9) -> None:
         """A step of `num_tokens` took `seconds` in the engine: what the forward does not
         explain is overhead (a moving average over steps)."""
-        self.observe_curve(float(self.curve(num_tokens)), seconds, decay)
+        self.observe_curve(float(self.forward(num_tokens)), seconds, decay)
 
     def observe_curve(self, x: float, seconds: float, decay: float = 0.9) -> None:
-        """`observe`, given the curve's seconds `x` for the step's tokens.
+        """`observe`, given the start-up forward's seconds `x` for the step's tokens.
 
-        With `fit_scale` (the draft model's cost): the start-up timing ran the draft alone,
-        its weights in cache; in the engine's step they are not, and a forward can cost
-        several times more. So its time is fitted as overhead + scale * curve, least squares
-        over the steps with weights fading by `decay` a step; while the token counts barely
-        differ, the scale stays and the overhead takes the difference. One step counts for at
-        most 4 times what the fit predicted, so that a single stall (a page fault, another
-        process) does not stop drafts for long; a lasting slowdown is learnt in a few steps.
-        (Fitting the target's scale too made n-gram drafting worse at 64 requests, 1.21x ->
-        0.90x of no speculation, so the target keeps the start-up curve.)"""
-        if not self.fit_scale:
-            self.overhead = decay * self.overhead + (1 - decay) * max(0.0, seconds - x)
-            return
-        if self._sums[0] > 0:
-            seconds = min(seconds, 4 * (self.overhead + self.scale * x))
-        self._sums = decay * self._sums + (1 - decay) * np.array([1.0, x, seconds, x * x, x * seconds])
-        n, sx, sy, sxx, sxy = self._sums
-        mean_x, mean_y = sx / n, sy / n
-        var_x = sxx / n - mean_x ** 2
-        if var_x > (0.1 * mean_x) ** 2:  # token counts that differ enough to tell slope from offset
-            # at least the start-up curve: the draft alone, its weights in cache, is its best case
-            self.scale = float(np.clip((sxy / n - mean_x * mean_y) / var_x, 1.0, 4.0))
-        self.overhead = max(0.0, mean_y - self.scale * mean_x)
+        `robust` (the draft model): the start-up timing ran the draft alone, its weights in
+        cache; in the engine's step they are not, and a forward costs more. One step counts
+        for at most 4 times what the cost predicted (the first: 4 times the start-up time),
+        so that a single stall (a page fault, another process) does not stop drafts for long,
+        while a lasting slowdown is learnt in a few steps (the prediction can grow 1.3x a
+        step)."""
+        if self.robust:
+            seconds = min(seconds, 4 * (self.overhead + x))
+        self.overhead = decay * self.overhead + (1 - decay) * max(0.0, seconds - x)
 
     def fade(self, keep: float = 0.99) -> None:
-        """A step with nothing to time: what made the steps slow (another load on the machine)
-        may have passed, so the fit drifts back towards the start-up curve and the evidence
-        behind it weighs less against the next steps."""
-        self._sums *= keep
+        """A step that chose no drafts, so nothing to time: what made drafting slow (another
+        load on the machine) may have passed, so the overhead fades and drafting is tried
+        again some time."""
         self.overhead *= keep
-        self.scale = 1.0 + (self.scale - 1.0) * keep
 
     def __repr__(self) -> str:
         return ", ".join(f"{int(n)}: {1e3 * s:.2f} ms" for n, s in zip(self.tokens, self.seconds)) + \
@@ -107,7 +86,7 @@ class StepCost:
 
 @torch.inference_mode()
 def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512,
-                      fit_scale: bool = False) -> StepCost:
+                      robust: bool = False) -> StepCost:
     """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
     n = 1, 2, 4, ... up to max_tokens, the fastest of `repeats`; then 16 of them again over
     `context` tokens each: what attention adds per context token. They run over the
@@ -142,7 +121,7 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
         return best
 
     seconds = [forward(n, 1) for n in counts]
-    cost = StepCost(counts, seconds, fit_scale)
+    cost = StepCost(counts, seconds, robust)
     cost.attention = max(0.0, (forward(wide, context) - seconds[counts.index(wide)]) / (wide * (context - 1)))
     return cost
 

@@ -109,7 +109,7 @@ class DraftModel(Proposer, CacheOwner):
         self.num_forwards = 0  # and how many forwards it ran in all
         self.draft_cost: StepCost | None = None
         if self.cost is not None:
-            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), fit_scale=True)
+            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), robust=True)
             logger.info("adaptive speculation: draft forward time by tokens %s", self.draft_cost)
 
     def release(self, request_id: str) -> None:
@@ -129,7 +129,7 @@ class DraftModel(Proposer, CacheOwner):
         if self.draft_cost is not None and self.forwards and len(self.forwards) == self.num_forwards:
             # the adaptive cost learns what drafting costs in the engine's step, its host work
             # included: the start-up timing ran the draft alone, its weights in cache
-            curve = float(np.mean(self.draft_cost.curve(self.forwards)))
+            curve = float(np.mean(self.draft_cost.forward(self.forwards)))
             self.draft_cost.observe_curve(curve, self.seconds / len(self.forwards))
 
     def _run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]]) -> None:
@@ -160,8 +160,9 @@ class DraftModel(Proposer, CacheOwner):
                                    self.draft_cost, [start + len(tokens) for _, _, start, tokens, _ in drafting])
         else:
             ks = [room for *_, room in drafting]
+        candidates = len(drafting)
         drafting = [(d, k) for d, k in zip(drafting, ks) if k > 0][:self.scratch_rows]
-        if not drafting and self.draft_cost is not None:
+        if candidates and not drafting and self.draft_cost is not None:
             self.draft_cost.fade()  # so that drafting is tried again some time
         if not drafting and not chunks:
             return

@@ -1,0 +1,43 @@
+"""Linear layers on the CPU: oneDNN's packed layout, and for small float32 weights their plain
+copy at steps of up to PLAIN_ROWS rows; both give F.linear's result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tokenmill.executor.layers.linear import PLAIN_ROWS, SMALL_FLOAT32_WEIGHT, Linear
+
+
+def packed_layer(out_features: int, in_features: int, bias: bool, dtype=torch.float32) -> tuple[Linear, torch.Tensor]:
+    torch.manual_seed(0)
+    layer = Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features) / in_features ** 0.5)
+        if bias:
+            layer.bias.copy_(torch.randn(out_features))
+    layer.to(dtype)
+    weight = layer.weight.detach().clone()
+    layer.pack()
+    return layer, weight
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, PLAIN_ROWS, PLAIN_ROWS + 1, 64])
+def test_small_float32_layers_keep_a_plain_copy_for_few_rows(rows, bias):
+    layer, weight = packed_layer(256, 128, bias)
+    assert layer.packed is not None and layer.small is not None and layer.weight.numel() == 0
+    x = torch.randn(rows, 128)
+    assert torch.allclose(layer(x), F.linear(x, weight, layer.bias), atol=1e-5, rtol=1e-5)
+    if rows <= PLAIN_ROWS:  # the plain copy's path: exactly F.linear
+        assert torch.equal(layer(x), F.linear(x, weight, layer.bias))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_large_float32_layers_keep_only_the_packed_weight():
+    layer, weight = packed_layer(SMALL_FLOAT32_WEIGHT // 128, 128, False)
+    assert layer.packed is not None and layer.small is None
+    x = torch.randn(2, 128)
+    assert torch.allclose(layer(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
