@@ -20,9 +20,10 @@ rows can round differently from one row's, so a near-tie between the top two tok
 flip, as in any engine). Methods and plain decoding take turns in each round; the medians
 over rounds are compared.
 
-Methods: ngram and draft (the built-in draft model), each adaptive (the default) and -fixed
+Methods: ngram, draft (the built-in draft model) and eagle (the built-in EAGLE head, which
+drafts from the target's hidden states), each adaptive (the default) and -fixed
 ("adaptive": false: every draft verified). Targets (issue 17): at concurrency 1, TPOT at
-least 1.8x better with n-gram on the rewrite set and 1.3x with the draft model on the
+least 1.8x better with n-gram on the rewrite set and 1.3x with a draft model on the
 completion set; adaptive speculation at least 0.97x the throughput of no speculation at
 every concurrency.
 """
@@ -48,8 +49,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 # as many drafts as the lookup finds, up to k (vLLM's behaviour)
 # draft: the built-in draft model (the default draft for the built-in model only)
 DRAFT = {"method": "draft_model", "num_speculative_tokens": 4}
+# eagle: the built-in EAGLE head, drafting from the target's hidden states
+EAGLE = {"method": "eagle", "num_speculative_tokens": 4}
 METHODS = {"ngram": NGRAM, "ngram-fixed": {**NGRAM, "adaptive": False},
-           "draft": DRAFT, "draft-fixed": {**DRAFT, "adaptive": False}}
+           "draft": DRAFT, "draft-fixed": {**DRAFT, "adaptive": False},
+           "eagle": EAGLE, "eagle-fixed": {**EAGLE, "adaptive": False}}
 OUTPUT_LEN = 128
 
 
@@ -98,11 +102,15 @@ def main() -> None:
                         "default: the built-in model")
     parser.add_argument("--draft-model", default=None, help="the draft methods' checkpoint (default: the built-in "
                         "draft, the default draft for the built-in model)")
+    parser.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the built-in one)")
     parser.add_argument("--output-json", default="bench_results/speculative.json")
     args = parser.parse_args()
     if args.draft_model:
         for name in ("draft", "draft-fixed"):
             METHODS[name] = {**METHODS[name], "model": args.draft_model}
+    if args.eagle_model:
+        for name in ("eagle", "eagle-fixed"):
+            METHODS[name] = {**METHODS[name], "model": args.eagle_model}
 
     _, val_files = split_files()
     most = 2 * max(max(args.concurrency), 4)
@@ -110,7 +118,7 @@ def main() -> None:
             "rewrite": rewrite_prompts(val_files, most)}
     model = args.model
     if args.methods is None:
-        args.methods = [m for m in METHODS if model is None or not m.startswith("draft")]
+        args.methods = [m for m in METHODS if model is None or m.startswith("ngram")]
     if model == "56m":
         import tempfile
 

@@ -63,8 +63,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                                   "on the CPU they split --num-threads or the cores")),
     "--speculative-config": ("speculative_config", dict(
         default=None, type=lambda v: _json_object("--speculative-config", v, '(vLLM\'s keys)'),
-        help='speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 3}')),
+        help='speculative decoding, JSON (method ngram, draft_model or eagle): {"method": "ngram", '
+             '"num_speculative_tokens": 4, "prompt_lookup_max": 3}')),
 }
 
 

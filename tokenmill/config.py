@@ -24,6 +24,7 @@ logger = logging.getLogger("tokenmill")
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "default_model"
 DEFAULT_DRAFT_MODEL_DIR = Path(__file__).parent / "data" / "default_draft_model"  # the built-in model's draft
+DEFAULT_EAGLE_MODEL_DIR = Path(__file__).parent / "data" / "default_eagle_model"  # and its EAGLE head
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -43,6 +44,7 @@ def parse_size(value: int | str) -> int:
 
 
 MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +54,15 @@ class SpeculativeConfig:
       occurrence of the request's last n tokens (n from prompt_lookup_max down to
       prompt_lookup_min);
     - `draft_model`: a smaller model with the target's tokenizer (`model`; for the built-in
-      model, its built-in draft by default) drafts greedily (executor/spec/draft.py)."""
+      model, its built-in draft by default) drafts greedily (executor/spec/draft.py);
+    - `eagle`: an EAGLE-1 head (`model`; for the built-in model, its built-in head by
+      default) drafts from the target's own hidden states (executor/spec/eagle.py)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
-    model: str | None = None  # draft_model: a checkpoint directory or hub id; None: the built-in draft
+    model: str | None = None  # draft_model, eagle: a checkpoint directory or hub id; None: the built-in one
     # beyond vLLM: each step chooses each request's drafts (0 to num_speculative_tokens) from
     # their measured acceptance and the step's cost (executor/spec/adaptive.py)
     adaptive: bool = True
@@ -72,12 +76,15 @@ class SpeculativeConfig:
         model = d.get("model")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"speculative_config.model must be a checkpoint directory or hub id, got {model!r}")
-        # as vLLM: a draft model given without a method is a draft_model
-        method = d.get("method", "draft_model" if model is not None else None)
-        if method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config.method must be one of ngram, draft_model; got {method!r}")
+        # as vLLM: a draft model given without a method is a draft_model, or an EAGLE head if
+        # its name says "eagle-"
+        method = d.get("method", None if model is None else "eagle" if "eagle-" in model.lower() else "draft_model")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {method!r}")
         if method == "ngram" and model is not None:
-            raise ValueError("speculative_config.model: a draft model is for method 'draft_model', not 'ngram'")
+            raise ValueError("speculative_config.model: a draft model is for methods 'draft_model' and 'eagle', "
+                             "not 'ngram'")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
@@ -284,19 +291,23 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        cfg_path = Path(path) / "config.json"
-        if not cfg_path.is_file():
-            raise ValueError(f"model: {path} has no config.json")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"model: {cfg_path} is not valid JSON: {e}") from e
-        return cls.from_dict(cfg)
+        return cls.from_dict(read_config_json(path))
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token in every layer, in a cache of `dtype` (an 8-bit one with its scales)."""
         from tokenmill.executor.attention.kv_cache import bytes_per_slot
         return bytes_per_slot(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint directory's config.json."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"model: {path} has no config.json")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model: {cfg_path} is not valid JSON: {e}") from e
 
 
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

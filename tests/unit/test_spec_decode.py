@@ -23,9 +23,10 @@ from tokenmill.executor.spec.rejection import accepted_prefix
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method must be one of ngram, draft_model"),
+    ({"method": "eagle3", "num_speculative_tokens": 2},
+     "speculative_config.method must be one of ngram, draft_model, eagle; got 'eagle3'"),
     ({"num_speculative_tokens": 2}, "speculative_config.method must be one of"),
-    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "a draft model is for method 'draft_model'"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "a draft model is for methods 'draft_model' and 'eagle'"),
     ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, "speculative_config.model must be"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 16]"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be an integer in [1, 16]"),
@@ -40,6 +41,14 @@ def test_bad_speculative_config_names_the_key(spec, message):
     with pytest.raises(ValueError) as e:
         EngineConfig(speculative_config=spec)
     assert message in str(e.value)
+
+
+def test_a_model_without_a_method_is_a_draft_model_or_an_eagle_head_by_its_name():
+    """As vLLM: a head named like the EAGLE authors' (EAGLE-LLaMA3-Instruct-8B) is an EAGLE head."""
+    method = lambda model: EngineConfig(speculative_config={  # noqa: E731
+        "model": model, "num_speculative_tokens": 2}).speculative_config.method
+    assert method("yuhuili/EAGLE-LLaMA3-Instruct-8B") == "eagle"
+    assert method("/ckpt/tiny-draft") == "draft_model"
 
 
 def test_lookup_defaults_follow_vllm():
@@ -108,7 +117,7 @@ def test_what_rules_speculation_out():
     assert can_speculate(make_request("g", [1, 2], temperature=0)) is None
     assert can_speculate(make_request("s", [1, 2], temperature=0.8, seed=1)) is None
     assert can_speculate(make_request("p", [1, 2], temperature=0, presence_penalty=0.5)) == "penalties"
-    assert can_speculate(make_request("m", [1, 2], temperature=0, min_tokens=3)) == "penalties"
+    assert can_speculate(make_request("m", [1, 2], temperature=0, min_tokens=3)) == "min_tokens"
     assert can_speculate(make_request("b", [1, 2], temperature=0, n=2)) == "best_of"
 
 

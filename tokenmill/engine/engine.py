@@ -74,7 +74,7 @@ class Engine:
         self._sync_only: set[str] = set()
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids) if self.tokenizer else None
         spec = config.speculative_config
-        self.proposer: Proposer | None = self.runner.drafter if spec is not None and spec.method == "draft_model" \
+        self.proposer: Proposer | None = self.runner.drafter if self.runner.drafter is not None \
             else NgramProposer(spec, self.max_model_len, self.runner.step_cost) if spec is not None else None
         self.limits = EngineLimits(mc.vocab_size, self.max_model_len, self.kv_capacity_tokens, self.eos_token_ids)
         self.processor = InputProcessor(self.tokenizer, self.limits)
@@ -247,7 +247,13 @@ class Engine:
         cost = self.proposer.cost if self.proposer is not None else None
         if cost is not None and sched.is_decode_only:  # what the step costs beyond its forwards
             drafting = getattr(self.proposer, "seconds", 0.0)  # the draft model's, which it learns itself
-            cost.observe(sched.total_num_scheduled_tokens, time.perf_counter() - start - drafting)
+            # nor is the drafts' attention overhead: choosing drafts counts it per draft (counted
+            # here too, a step with drafts would raise every step's cost, and drafts would look
+            # cheaper against it the more of them run)
+            drafts = sum(len(d) * (c + n) for d, c, n in zip(sched.spec_token_ids, sched.num_computed_tokens,
+                                                             sched.num_scheduled_tokens))
+            cost.observe(sched.total_num_scheduled_tokens,
+                         time.perf_counter() - start - drafting - cost.attention * drafts)
         return outputs
 
     def _outputs(self, tracked: Tracked, seqs: list[Seq]) -> list[RequestOutput]:

@@ -111,6 +111,12 @@ def load_model(path: Path, cfg: ModelConfig, load_format: str, dtype: torch.dtyp
             model = model_cls(cfg, max_position, kernels, quant, tp)
     finally:
         torch.set_default_dtype(default_dtype)
+    return fill_weights(model, path, load_format, seed)
+
+
+def fill_weights(model: LlamaForCausalLM, path: Path, load_format: str, seed: int = 0) -> LlamaForCausalLM:
+    """The built model with its checkpoint's weights (or dummy ones), packed for the device;
+    a weight the model needs and the checkpoint lacks is an error."""
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:

@@ -38,11 +38,15 @@ from tokenmill.executor.sampler import SampledTokens, Sampler
 from tokenmill.executor.sampling_batch import build_sampling_batch
 from tokenmill.executor.spec.adaptive import StepCost, measure_step_cost
 from tokenmill.executor.spec.draft import DraftModel, resolve_draft
+from tokenmill.executor.spec.eagle import EagleProposer
 from tokenmill.executor.spec.rejection import accepted_prefix
 from tokenmill.executor.staging import Staging
 from tokenmill.executor.step_input import StepInput
 
 logger = logging.getLogger("tokenmill")
+
+
+DRAFTERS = {"draft_model": DraftModel, "eagle": EagleProposer}  # the methods that draft inside the step
 
 
 class LaunchedStep(NamedTuple):
@@ -115,7 +119,7 @@ class ModelRunner(CacheOwner):
         self.penalties = PenaltyState(model_config.vocab_size, device, self.staging.to_device)
         spec = config.speculative_config
         # a draft model's KV cache shares the blocks, so each block costs its bytes too
-        draft = resolve_draft(spec, model_path, model_config) if spec and spec.method == "draft_model" else None
+        draft = resolve_draft(spec, model_path, model_config) if spec and spec.method in DRAFTERS else None
         self.draft_kv_bytes_per_token = draft[1].kv_bytes_per_token(self.kv_cache_dtype) if draft else 0
         self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest can
@@ -126,7 +130,7 @@ class ModelRunner(CacheOwner):
         if spec is not None and spec.adaptive:  # what a step costs by its tokens, for choosing drafts
             self.step_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024))
             logger.info("adaptive speculation: step time by tokens %s", self.step_cost)
-        self.drafter = DraftModel(self, spec, *draft, self.num_blocks, max_num_batched_tokens, kernels) \
+        self.drafter = DRAFTERS[spec.method](self, spec, *draft, self.num_blocks, max_num_batched_tokens, kernels) \
             if draft else None
         # async scheduling (engine.py): the last step's sampled ids on the device, and each
         # sampling request's row in them
@@ -233,12 +237,12 @@ class ModelRunner(CacheOwner):
         if pending_at:  # the last step's sampled ids, gathered on the device: no wait for them
             fill = (put(np.array(pending_at, dtype=np.int64)),
                     self._last_ids[put(np.array(pending_rows, dtype=np.int64))])
-        hidden = self._forward(step, fill)
+        hidden = target_hidden = self._forward(step, fill)
         prompt_logprobs = compute_prompt_logprobs(self.model, self.staging, self.sampler, hidden, plp) if plp else {}
         if not sampling:
             self.staging.end()
             if self.drafter is not None:  # it keeps up with the prompt chunks
-                self.drafter.run(out, [])
+                self.drafter.run(out, [], target_hidden)
             return LaunchedStep([], None, prompt_logprobs)
         if sample_rows is not None:
             hidden = hidden[put(sample_rows)]
@@ -267,7 +271,7 @@ class ModelRunner(CacheOwner):
         else:
             sampled = [[t] for t in tokens]
         if self.drafter is not None:  # the drafts the next step verifies
-            self.drafter.run(out, sampled)
+            self.drafter.run(out, sampled, target_hidden)
         return LaunchedStep(sampled, None, prompt_logprobs)
 
     def _forward(self, step: StepInput, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

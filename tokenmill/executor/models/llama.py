@@ -96,19 +96,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`input_norm=False`: the layer reads its input as it is (an EAGLE head's first layer)."""
+
     def __init__(self, cfg: ModelConfig, layer: int, kernels: ModuleType | None,
-                 quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> None:
+                 quant: QuantConfig | None = None, tp: TensorParallel | None = None, input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, kernels, quant, tp)
         self.mlp = LlamaMLP(cfg, layer, kernels, quant, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels) if input_norm else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            if self.input_layernorm is not None:
+                x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(rope, x, attn)

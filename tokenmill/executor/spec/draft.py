@@ -27,13 +27,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
-from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_MODEL_DIR, ModelConfig, SpeculativeConfig
+from tokenmill.config import (DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, DEFAULT_MODEL_DIR, ModelConfig,
+                              SpeculativeConfig)
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.loader import load_model, resolve_model_path
+from tokenmill.executor.models.llama_eagle import eagle_config
 from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts, measure_step_cost
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 
@@ -44,18 +47,23 @@ logger = logging.getLogger("tokenmill")
 
 
 def resolve_draft(config: SpeculativeConfig, target_path: Path, target: ModelConfig) -> tuple[Path, ModelConfig]:
-    """The draft's checkpoint directory and config, checked against the target's; errors name
-    `speculative_config.model`."""
+    """The draft's (a draft model's or an EAGLE head's) checkpoint directory and config,
+    checked against the target's; errors name `speculative_config.model`."""
+    eagle = config.method == "eagle"
     if config.model is None:
         if Path(target_path).resolve() != DEFAULT_MODEL_DIR.resolve():
-            raise ValueError("speculative_config.model: method 'draft_model' needs a draft model checkpoint (the "
-                             "built-in draft is the default only for the built-in model)")
-        path = DEFAULT_DRAFT_MODEL_DIR
+            raise ValueError(f"speculative_config.model: method {config.method!r} needs "
+                             f"{'an EAGLE head' if eagle else 'a draft model'} checkpoint (the built-in one is "
+                             f"the default only for the built-in model)")
+        path = DEFAULT_EAGLE_MODEL_DIR if eagle else DEFAULT_DRAFT_MODEL_DIR
     try:
         path = resolve_model_path(str(path) if config.model is None else config.model)
-        draft = ModelConfig.from_dir(path)
+        draft = eagle_config(path) if eagle else ModelConfig.from_dir(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"speculative_config.model: {config.model!r} does not load: {e}") from e
+    if eagle and draft.hidden_size != target.hidden_size:
+        raise ValueError(f"speculative_config.model: the EAGLE head's hidden size is {draft.hidden_size}, the "
+                         f"target's {target.hidden_size}; a head reads the target's hidden states")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, the "
                          f"target's {target.vocab_size}; a draft needs the target's tokenizer")
@@ -74,6 +82,9 @@ def _vocab(path: Path) -> dict[str, int] | None:
     return load_tokenizer(path).get_vocab()
 
 
+EXPLORE_EVIDENCE = 32  # verified drafts (accepted ones and rejecting steps) before drafts are chosen
+
+
 class DraftModel(Proposer, CacheOwner):
     """The draft model, its KV cache and the drafts it made this step (handed to the
     requests by `propose`, after the scheduler has taken the step's tokens)."""
@@ -88,9 +99,7 @@ class DraftModel(Proposer, CacheOwner):
         self.model_config = model_config
         self.kv_cache_dtype = runner.kv_cache_dtype
         try:
-            self.model = load_model(path, model_config, "auto", runner.dtype, runner.device,
-                                    max_position=max(runner.max_model_len, model_config.max_position_embeddings),
-                                    seed=runner.config.seed, kernels=kernels)
+            self.model = self.load(runner, path, model_config, kernels)
         except (ValueError, OSError) as e:
             raise ValueError(f"speculative_config.model: {path} does not load: {e}") from e
         self.backend_cls = select_attention_backend(runner.config.attention_backend, runner.device, runner.dtype,
@@ -104,6 +113,7 @@ class DraftModel(Proposer, CacheOwner):
         self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V is in the cache
         self.drafts: dict[str, list[int]] = {}  # made this step, for the next
         self.prior = 0.5  # acceptance over all requests so far: the start of each request's own
+        self.evidence = 0  # accepted drafts and rejecting verifications so far, over all requests
         self.seconds = 0.0  # spent drafting in the last step (the target's step cost leaves it out)
         self.forwards: list[int] = []  # the tokens of each decode-shaped draft forward of the last step
         self.num_forwards = 0  # and how many forwards it ran in all
@@ -112,18 +122,33 @@ class DraftModel(Proposer, CacheOwner):
             self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), robust=True)
             logger.info("adaptive speculation: draft forward time by tokens %s", self.draft_cost)
 
+    @property
+    def choosing(self) -> bool:
+        """Adaptive speculation chooses the drafts once the proposer's acceptance is known:
+        until then every request drafts (a draft's worth at the 0.5 prior can be below its
+        cost, and a proposer that never drafts never learns its rate)."""
+        return self.cost is not None and self.evidence >= EXPLORE_EVIDENCE
+
+    @staticmethod
+    def load(runner: ModelRunner, path: Path, model_config: ModelConfig, kernels):
+        return load_model(path, model_config, "auto", runner.dtype, runner.device,
+                          max_position=max(runner.max_model_len, model_config.max_position_embeddings),
+                          seed=runner.config.seed, kernels=kernels)
+
     def release(self, request_id: str) -> None:
         self.computed.pop(request_id, None)
         self.drafts.pop(request_id, None)
 
     # -- in the runner's step, after verification ---------------------------------
-    def run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]]) -> None:
+    def run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]],
+            hidden: torch.Tensor | None = None) -> None:
         """Drafts for the step's sampling requests, from the tokens they have once `sampled`
-        (per sampling request, in order: the accepted drafts and the target's next token)."""
+        (per sampling request, in order: the accepted drafts and the target's next token).
+        `hidden`: the target's hidden states of the step's tokens (what an EAGLE head reads)."""
         start = time.perf_counter()
         self.forwards, self.num_forwards = [], 0
         try:
-            self._run(out, sampled)
+            self._run(out, sampled, hidden)
         finally:
             self.seconds = time.perf_counter() - start
         if self.draft_cost is not None and self.forwards and len(self.forwards) == self.num_forwards:
@@ -132,7 +157,7 @@ class DraftModel(Proposer, CacheOwner):
             curve = float(np.mean(self.draft_cost.forward(self.forwards)))
             self.draft_cost.observe_curve(curve, self.seconds / len(self.forwards))
 
-    def _run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]]) -> None:
+    def _run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]], hidden: torch.Tensor | None) -> None:
         for request in out.preempted:
             self.release(request.request_id)
         chunks = []  # (request, first position, tokens): prompt chunks the draft keeps up with
@@ -154,7 +179,7 @@ class DraftModel(Proposer, CacheOwner):
             room = self.room(request, len(new))
             if room > 0:
                 drafting.append((i, request, start, request.all_token_ids[start:] + new, room))
-        if self.cost is not None and drafting:
+        if self.choosing and drafting:
             rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for _, r, *_ in drafting]
             ks = choose_num_drafts(rates, [room for *_, room in drafting], len(out.requests), self.cost,
                                    self.draft_cost, [start + len(tokens) for _, _, start, tokens, _ in drafting])
@@ -182,7 +207,7 @@ class DraftModel(Proposer, CacheOwner):
         starts = np.array([s for _, s, _ in rows], dtype=np.int64)
         ids = [t for _, _, tokens in rows for t in tokens]
         last = np.cumsum(query_lens)[len(chunks):] - 1
-        tokens = self._forward(query_lens, starts, table, ids, last, decode=not chunks)
+        tokens, _ = self._forward(query_lens, starts, table, ids, last, decode=not chunks)
         for _, request, start, chunk in chunks:
             self.computed[request.request_id] = start + len(chunk)
         if not drafting:
@@ -193,8 +218,8 @@ class DraftModel(Proposer, CacheOwner):
         ks = np.array([k for _, k in drafting])
         for step in range(1, int(ks.max())):  # forward j + 1: one token each, its latest draft
             active = np.flatnonzero(ks > step)
-            nxt = self._forward(np.ones(len(active), dtype=np.int32), positions[active] + step - 1, table[active],
-                                [drafts[a][-1] for a in active], np.arange(len(active)))
+            nxt, _ = self._forward(np.ones(len(active), dtype=np.int32), positions[active] + step - 1,
+                                   table[active], [drafts[a][-1] for a in active], np.arange(len(active)))
             for a, t in zip(active, nxt):
                 drafts[a].append(t)
         for ((_, request, start, toks, _), _), d in zip(drafting, drafts):
@@ -203,9 +228,12 @@ class DraftModel(Proposer, CacheOwner):
             self.drafts[request.request_id] = d
 
     def _forward(self, query_lens: np.ndarray, starts: np.ndarray, table: np.ndarray, ids: list[int],
-                 logits_rows: np.ndarray, decode: bool = True) -> list[int]:
-        """One draft forward; the argmax at `logits_rows` (may be none). `decode`: no prompt
-        chunks among its rows (the forwards the adaptive cost models)."""
+                 logits_rows: np.ndarray, decode: bool = True,
+                 features: tuple[torch.Tensor, np.ndarray | None] | None = None) -> tuple[list[int], torch.Tensor]:
+        """One draft forward; the argmax and the output hidden states at `logits_rows` (may be
+        none). `decode`: no prompt chunks among its rows (the forwards the adaptive cost
+        models). `features` (an EAGLE head's input): the rows `features[1]` of `features[0]`,
+        or all of them for None."""
         self.num_forwards += 1
         if decode:
             self.forwards.append(len(ids))
@@ -214,18 +242,23 @@ class DraftModel(Proposer, CacheOwner):
         self.staging.begin()
         self.attn.begin_step(AttentionMetadata.from_host(query_lens, (starts + query_lens).astype(np.int32), table,
                                                          put(slots), self.block_size, put))
-        hidden = self.model(put(np.array(ids, dtype=np.int64)), put(positions), self.attn)
+        extra = ()
+        if features is not None:
+            source, rows = features
+            extra = (source if rows is None or len(rows) == len(source) else source[put(rows.astype(np.int64))],)
+        hidden = self.model(put(np.array(ids, dtype=np.int64)), put(positions), self.attn, *extra)
         if len(logits_rows) == 0:
             self.staging.end()
-            return []
+            return [], hidden[:0]
         if len(logits_rows) != len(hidden):
             hidden = hidden[put(np.asarray(logits_rows, dtype=np.int64))]
         self.staging.end()
-        return self.sampler.to_host(self.sampler._argmax(self.model.compute_logits(hidden)))[0].tolist()
+        return self.sampler.to_host(self.sampler._argmax(self.model.compute_logits(hidden)))[0].tolist(), hidden
 
     # -- after the scheduler took the step's tokens ----------------------------------
     def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int) -> None:
         self.prior = acceptance(accepted, rejected, prior=0.5)
+        self.evidence = accepted + rejected
         for request in requests:
             if request.is_finished:
                 self.release(request.request_id)

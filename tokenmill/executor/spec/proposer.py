@@ -12,8 +12,10 @@ def can_speculate(request: Request) -> str | None:
     """None when the request's drafts can be verified exactly here; else what rules it out
     (the request is then served without speculation)."""
     sp = request.sampling_params
-    if sp.has_penalties or request.bad_words_token_ids or request.num_output_tokens < sp.min_tokens:
+    if sp.has_penalties or request.bad_words_token_ids:
         return "penalties"  # each position's logits would depend on the drafts before it
+    if request.num_output_tokens < sp.min_tokens:
+        return "min_tokens"  # so would EOS's mask; once it is lifted, the request may speculate
     if request.grammar is not None:
         return "structured_outputs"
     if request.ranked_by_logprob or request.num_forks:

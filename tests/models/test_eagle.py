@@ -1,0 +1,121 @@
+"""EAGLE speculative decoding on the built-in model with its built-in head, float32: the
+drafts the engine makes are those of the head run densely over the target's own hidden
+states (Hugging Face transformers' forward, the training script's head), through chunked
+prefill and verification; greedy outputs equal decoding without drafts beside penalised
+and sampled requests and across prefix-cache hits; bad heads are refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import DEFAULT_EAGLE_MODEL_DIR, DEFAULT_MODEL_DIR
+from tests.models.test_speculative import PROMPTS, completions, run
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from train_eagle_head import EagleHead  # noqa: E402
+
+SPEC = {"method": "eagle", "num_speculative_tokens": 3, "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def eagle():
+    return LLM(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=96, speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=96)
+
+
+@torch.no_grad()
+def reference_drafts(target, head: EagleHead, tokens: list[int], k: int) -> list[int]:
+    """The head's k greedy drafts after `tokens`, densely: pairs (token p + 1, the target's
+    hidden state at p) for every known position, then the head's own outputs."""
+    ids = torch.tensor(tokens)
+    feats = target.model(ids[None, :-1]).last_hidden_state[0]
+    pairs, own, drafts = ids[1:], feats, []
+    for _ in range(k):
+        out = head(target.model.embed_tokens(pairs)[None], own[None], torch.arange(len(pairs)))[0]
+        drafts.append(int(target.lm_head(out[-1]).argmax()))
+        pairs, own = torch.cat((pairs, torch.tensor(drafts[-1:]))), torch.cat((own, out[-1:]))
+    return drafts
+
+
+def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle):
+    """Prompts longer than the step's token budget arrive in chunks, whose pairs wait for the
+    request's first drafting step; one request is held back by min_tokens for its first 10
+    tokens, its pairs waiting meanwhile. After each step every request's drafts equal the
+    dense reference's for its tokens (an off-by-one in pairing tokens with hidden states, or
+    a lost chunk, changes most)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    head = EagleHead(target.config)
+    head.load_checkpoint(load_file(DEFAULT_EAGLE_MODEL_DIR / "model.safetensors"))
+    head.eval()
+    engine = eagle.engine
+    params = [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=64, temperature=0, min_tokens=10),
+              SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)]
+    made = [engine.make_request(p, sp, request_id=f"ref{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    for request, text in made:
+        engine.add_request(request, text, final_only=True)
+    requests = [request for request, _ in made]
+    same = total = 0
+    late = requests[1]
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert not late.spec_token_ids or late.num_output_tokens >= 10
+        for request in requests:
+            if request.spec_token_ids:
+                want = reference_drafts(target, head, request.all_token_ids, len(request.spec_token_ids))
+                same += sum(a == b for a, b in zip(request.spec_token_ids, want))
+                total += len(want)
+    assert total > 100
+    assert late.spec_accepted + late.spec_rejected > 0  # it drafted once min_tokens was met
+    print(f"{same} of {total} drafts equal")
+    assert same >= 0.97 * total, (same, total)  # float32 both ways: only near-ties may differ
+
+
+def test_greedy_outputs_equal_decoding_without_drafts(eagle, plain):
+    """Greedy requests get the tokens and logprobs of decoding without drafts, beside a
+    penalised one (served without drafts) and a sampled one; the cache's integrity holds
+    after every step; the second round hits the prefix cache."""
+    params = [SamplingParams(max_tokens=96, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=48, temperature=0, frequency_penalty=0.5, ignore_eos=True),
+              SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, stop=["\n\n"])]
+    for _ in range(2):
+        a, b = run(plain, params), run(eagle, params)
+        assert [completions([o])[0] for i, o in enumerate(b) if i != 1] == \
+            [completions([o])[0] for i, o in enumerate(a) if i != 1]
+        for lx, ly in zip(a[0].outputs[0].logprobs, b[0].outputs[0].logprobs):
+            assert list(ly.values()) == pytest.approx(list(lx.values()), abs=1e-4)
+    assert eagle.engine.kv_cache.prefix_hits > 0
+    stats = eagle.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_bad_heads_are_refused_naming_the_key(tmp_path):
+    """A head whose hidden size is not the target's, one that is not a checkpoint, and an
+    EAGLE head asked for a model without a built-in one: errors name speculative_config.model."""
+    wrong = tmp_path / "wide"
+    shutil.copytree(DEFAULT_EAGLE_MODEL_DIR, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2 * cfg["hidden_size"]}))
+    for model, match in ((str(wrong), "hidden size"), (str(tmp_path / "missing"), "does not load")):
+        with pytest.raises(ValueError, match=r"speculative_config\.model.*" + match):
+            LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={**SPEC, "model": model})
+    other = tmp_path / "target"
+    shutil.copytree(DEFAULT_MODEL_DIR, other)
+    with pytest.raises(ValueError, match=r"speculative_config\.model: method 'eagle' needs an EAGLE head"):
+        LLM(str(other), dtype="float32", kv_cache_memory="16MiB", speculative_config=SPEC)

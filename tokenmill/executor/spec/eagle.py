@@ -1,0 +1,199 @@
+"""EAGLE proposer: a one-layer head drafts from the target's own hidden states
+(executor/models/llama_eagle.py), inside the runner's step, right after verification.
+
+The head's paged KV cache is indexed by the target's block ids, as a draft model's is
+(executor/spec/draft.py: scratch blocks past each drafting request's last block hold the
+drafts' own K/V). Its entry at position p is made from the pair (the token after p, the
+target's hidden state at p), so it can only be written in the step whose target forward
+computed p: the head keeps up with every token the target computes for requests that
+may speculate, prompt chunks included, whether or not they draft this step.
+
+One step, after verification, per request that may speculate:
+  forward 1: a pair for each of its positions whose hidden state is valid (a verifying
+             request's accepted drafts, not its rejected ones) with the token after it
+             (the next prompt token, an accepted draft, the target's next token); the last
+             pair's output gives draft 1 where the request drafts;
+  forward j: each request with more than j - 1 drafts feeds (draft j - 1, the head's own
+             output for it).
+Where the head's cache has no pair for a position (a prefix-cache hit across a block's
+last position, steps served without speculation), its drafts are worse, not wrong:
+verification decides what is kept.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import chain
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.executor.loader import fill_weights, safetensors_files
+from tokenmill.executor.models.llama_eagle import EagleLlamaForCausalLM
+from tokenmill.executor.spec.adaptive import acceptance, choose_num_drafts
+from tokenmill.executor.spec.draft import DraftModel
+from tokenmill.executor.spec.proposer import can_speculate
+
+if TYPE_CHECKING:
+    from tokenmill.executor.model_runner import ModelRunner
+
+
+MAX_WAITING = 1024  # pairs kept for a request that does not draft (see EagleProposer._keep)
+
+
+class EagleProposer(DraftModel):
+    """DraftModel's cache, cost learning and proposing; the head's forwards read features.
+    `pending`: per request not drafting lately, its pairs not yet in the head's cache."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.pending: dict[str, Waiting] = {}
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def load(runner: ModelRunner, path: Path, model_config: ModelConfig, kernels) -> EagleLlamaForCausalLM:
+        from safetensors import safe_open
+        files = safetensors_files(path)
+        names = {n.removeprefix("model.") for f in files for n in safe_open(str(f), framework="pt").keys()}
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(runner.dtype)
+        try:
+            with torch.device(runner.device):
+                head = EagleLlamaForCausalLM(model_config, runner.model,
+                                             max(runner.max_model_len, model_config.max_position_embeddings),
+                                             kernels, fc_bias="fc.bias" in names)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        return fill_weights(head, path, "auto")
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self.pending.pop(request_id, None)
+
+    def _run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]], hidden: torch.Tensor | None) -> None:
+        if hidden is None:
+            return
+        for request in out.preempted:
+            self.release(request.request_id)
+        pairs: list[tuple[int, Request, int, int, list[int]]] = []  # (request index, request, row, position, tokens)
+        candidates: list[tuple[int, int]] = []  # (in `pairs`, room)
+        first, j = 0, 0
+        for i, request in enumerate(out.requests):
+            n, computed = out.num_scheduled_tokens[i], out.num_computed_tokens[i]
+            row, first = first, first + n
+            new = None
+            if out.samples(i):
+                new = [t for t, _ in sampled[j]]
+                j += 1
+            why = can_speculate(request)
+            if why is not None and why != "min_tokens":  # (one held back by min_tokens speculates later)
+                continue
+            if new is None:  # a prompt chunk: each position pairs with the prompt token after it
+                tokens = request.all_token_ids[computed:computed + n + 1]
+            else:  # the tokens it computed, less rejected drafts, then the accepted ones and the next token
+                tokens = request.all_token_ids[computed:computed + n - len(out.spec_token_ids[i])] + new
+            if len(tokens) < 2:
+                continue
+            pairs.append((i, request, row, computed, tokens[1:n + 1]))
+            if new is not None and why is None and (room := self.room(request, len(new))) > 0:
+                candidates.append((len(pairs) - 1, room))
+        if not pairs:
+            return
+        if self.choosing and candidates:
+            rates = [acceptance(pairs[c][1].spec_accepted, pairs[c][1].spec_rejected, self.prior)
+                     for c, _ in candidates]
+            ks = choose_num_drafts(rates, [room for _, room in candidates], len(out.requests), self.cost,
+                                   self.draft_cost, [pairs[c][3] + len(pairs[c][4]) + 1 for c, _ in candidates])
+        else:
+            ks = [room for _, room in candidates]
+        chosen = {c: k for (c, _), k in zip(candidates, ks) if k > 0}
+        chosen = dict(list(chosen.items())[:self.scratch_rows])
+        if candidates and not chosen and self.draft_cost is not None:
+            self.draft_cost.fade()  # so that drafting is tried again some time
+        waiting = [p for c, p in enumerate(pairs) if c not in chosen]
+        if waiting:  # their pairs wait, with copies of their hidden states, until they draft
+            self._keep(waiting, hidden)
+        if not chosen:
+            return
+        drafting = [pairs[c] for c in chosen]
+        ks = np.array(list(chosen.values()))
+        # forward 1: each drafting request's waiting pairs and this step's; logits at the last
+        width = max(len(out.block_tables[i]) for i, *_ in drafting) + self.scratch_per_row
+        table = np.zeros((len(drafting), width), dtype=np.int32)
+        query_lens = np.zeros(len(drafting), dtype=np.int32)
+        starts = np.zeros(len(drafting), dtype=np.int64)
+        ids: list[int] = []
+        parts: list[torch.Tensor] = []
+        for r, (i, request, row, position, tokens) in enumerate(drafting):
+            blocks = out.block_tables[i]
+            table[r, :len(blocks)] = blocks
+            scratch = self.first_scratch + r * self.scratch_per_row + np.arange(self.scratch_per_row)
+            table[r, len(blocks):len(blocks) + self.scratch_per_row] = scratch
+            start, waited, feats = self._waiting(request.request_id, position)
+            starts[r], query_lens[r] = start, len(waited) + len(tokens)
+            ids += waited + tokens
+            parts += feats + [hidden[row:row + len(tokens)]]
+        decode = bool(query_lens.max() <= 1 + self.config.num_speculative_tokens)
+        tokens, feats = self._forward(query_lens, starts, table, ids, np.cumsum(query_lens) - 1, decode,
+                                      (torch.cat(parts), None))
+        drafts = [[t] for t in tokens]
+        last = starts + query_lens - 1  # each drafting request's last pair's position
+        active = np.arange(len(drafting))
+        for step in range(1, int(ks.max())):  # forward j + 1: (draft j, the head's output for it)
+            keep = np.flatnonzero(ks[active] > step)
+            active = active[keep]
+            nxt, feats = self._forward(np.ones(len(active), dtype=np.int32), last[active] + step, table[active],
+                                       [drafts[a][-1] for a in active], np.arange(len(active)), True, (feats, keep))
+            for a, t in zip(active, nxt):
+                drafts[a].append(t)
+        for (_, request, *_), d in zip(drafting, drafts):
+            self.drafts[request.request_id] = d
+
+    def _keep(self, waiting: list[tuple[int, Request, int, int, list[int]]], hidden: torch.Tensor) -> None:
+        """Adds each request's pairs to those waiting for its next drafting step: their
+        hidden states copied in one gather (the step's buffer is reused), and at most
+        MAX_WAITING positions a request (older ones are dropped: the head's cache has no
+        pair for them, so its drafts there are worse, not wrong)."""
+        rows = [r for _, _, row, _, tokens in waiting for r in range(row, row + len(tokens))]
+        self.staging.begin()
+        kept = hidden[self.staging.to_device(np.array(rows, dtype=np.int64))]
+        self.staging.end()
+        offset = 0
+        for _, request, _, position, tokens in waiting:
+            w = self.pending.get(request.request_id)
+            if w is None or w.end != position:
+                w = self.pending[request.request_id] = Waiting(position)
+            w.add(tokens, kept[offset:offset + len(tokens)])
+            offset += len(tokens)
+
+    def _waiting(self, request_id: str, position: int) -> tuple[int, list[int], list[torch.Tensor]]:
+        """(first position, tokens, hidden-state pieces) of the pairs waiting for the request
+        whose next pair is at `position`; none if they do not lead up to it."""
+        w = self.pending.pop(request_id, None)
+        if w is None or w.end != position:
+            return position, [], []
+        return w.start, list(chain.from_iterable(w.ids)), list(w.feats)
+
+
+class Waiting:
+    """A request's pairs at positions start..end - 1, not yet in the head's cache: its tokens
+    and hidden states, in the pieces the steps gave."""
+
+    __slots__ = ("start", "end", "ids", "feats")
+
+    def __init__(self, start: int) -> None:
+        self.start = self.end = start
+        self.ids: deque[list[int]] = deque()
+        self.feats: deque[torch.Tensor] = deque()
+
+    def add(self, ids: list[int], feats: torch.Tensor) -> None:
+        self.ids.append(ids)
+        self.feats.append(feats)
+        self.end += len(ids)
+        while self.end - self.start > MAX_WAITING and len(self.ids) > 1:  # whole pieces, oldest first
+            self.start += len(self.ids.popleft())
+            self.feats.popleft()
