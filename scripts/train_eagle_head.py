@@ -162,7 +162,8 @@ def chain_agreement(head: EagleHead, target, val: torch.Tensor, seq_len: int, nu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
+    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET,
+                        help="a Llama with the built-in tokenizer and unscaled RoPE (default: the built-in model)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     target.requires_grad_(False)
     cfg = target.config
+    if (cfg.rope_parameters or {}).get("rope_type", "default") != "default" or cfg.vocab_size != 8192:
+        raise SystemExit("--target: the head is trained with the built-in tokenizer and unscaled RoPE; "
+                         f"{args.target} has another vocabulary or RoPE scaling")
     tokenizer = load_tokenizer(TOKENIZER_DIR)
     train_files, val_files = split_files(args.max_files)
     val_ids = token_stream(tokenizer, val_files)

@@ -6,6 +6,7 @@ and sampled requests and across prefix-cache hits; bad heads are refused by name
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import sys
@@ -50,14 +51,24 @@ def reference_drafts(target, head: EagleHead, tokens: list[int], k: int) -> list
     return drafts
 
 
-def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle):
+@pytest.mark.parametrize("waits", [False, True], ids=["fixed", "adaptive-waits"])
+def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits, monkeypatch):
     """Prompts longer than the step's token budget arrive in chunks, whose pairs wait for the
     request's first drafting step; one request is held back by min_tokens for its first 10
-    tokens, its pairs waiting meanwhile. After each step every request's drafts equal the
-    dense reference's for its tokens (an off-by-one in pairing tokens with hidden states, or
-    a lost chunk, changes most)."""
+    tokens, its pairs waiting meanwhile; `waits`: adaptive speculation, made to give every
+    request no drafts in two steps of three, so that verified pairs wait too. After each step
+    every request's drafts equal the dense reference's for its tokens (an off-by-one in
+    pairing tokens with hidden states, or a lost chunk, changes most)."""
     from transformers import AutoModelForCausalLM
 
+    from tokenmill.executor.spec import eagle as proposer
+
+    if waits:
+        eagle = LLM(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=96,
+                    speculative_config={**SPEC, "adaptive": True})
+        calls = itertools.count()
+        monkeypatch.setattr(proposer, "choose_num_drafts",
+                            lambda rates, limits, *a, **kw: list(limits) if next(calls) % 3 == 0 else [0] * len(limits))
     target = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
     head = EagleHead(target.config)
     head.load_checkpoint(load_file(DEFAULT_EAGLE_MODEL_DIR / "model.safetensors"))
@@ -82,6 +93,8 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle):
                 total += len(want)
     assert total > 100
     assert late.spec_accepted + late.spec_rejected > 0  # it drafted once min_tokens was met
+    if waits:
+        assert engine.stats()["spec_decode_num_steps_by_k"][0] > 20  # request-steps that waited
     print(f"{same} of {total} drafts equal")
     assert same >= 0.97 * total, (same, total)  # float32 both ways: only near-ties may differ
 

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
     from tokenmill.executor.model_runner import ModelRunner
 
 
-MAX_WAITING = 1024  # pairs kept for a request that does not draft (see EagleProposer._keep)
+# pairs kept for a request that does not draft (EagleProposer._keep): one hidden-size vector
+# each, outside the KV budget (for 256 requests of an 8B Llama in bf16, up to 1 GiB)
+MAX_WAITING = 512
 
 
 class EagleProposer(DraftModel):
@@ -57,8 +59,10 @@ class EagleProposer(DraftModel):
     @staticmethod
     def load(runner: ModelRunner, path: Path, model_config: ModelConfig, kernels) -> EagleLlamaForCausalLM:
         from safetensors import safe_open
-        files = safetensors_files(path)
-        names = {n.removeprefix("model.") for f in files for n in safe_open(str(f), framework="pt").keys()}
+        names = set()
+        for f in safetensors_files(path):
+            with safe_open(str(f), framework="pt") as st:
+                names.update(n.removeprefix("model.") for n in st.keys())
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(runner.dtype)
         try:
@@ -75,10 +79,10 @@ class EagleProposer(DraftModel):
         self.pending.pop(request_id, None)
 
     def _run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]], hidden: torch.Tensor | None) -> None:
-        if hidden is None:
-            return
         for request in out.preempted:
             self.release(request.request_id)
+        if hidden is None:
+            return
         pairs: list[tuple[int, Request, int, int, list[int]]] = []  # (request index, request, row, position, tokens)
         candidates: list[tuple[int, int]] = []  # (in `pairs`, room)
         first, j = 0, 0
@@ -154,10 +158,11 @@ class EagleProposer(DraftModel):
             self.drafts[request.request_id] = d
 
     def _keep(self, waiting: list[tuple[int, Request, int, int, list[int]]], hidden: torch.Tensor) -> None:
-        """Adds each request's pairs to those waiting for its next drafting step: their
-        hidden states copied in one gather (the step's buffer is reused), and at most
-        MAX_WAITING positions a request (older ones are dropped: the head's cache has no
-        pair for them, so its drafts there are worse, not wrong)."""
+        """Adds each request's pairs to those waiting for its next drafting step, with copies
+        of their hidden states (the step's buffer is reused; each request's own copy, so that
+        no step's whole gather stays alive for one request's rows), at most MAX_WAITING
+        positions a request (older ones are dropped: the head's cache has no pair for them,
+        so its drafts there are worse, not wrong)."""
         rows = [r for _, _, row, _, tokens in waiting for r in range(row, row + len(tokens))]
         self.staging.begin()
         kept = hidden[self.staging.to_device(np.array(rows, dtype=np.int64))]
@@ -167,7 +172,7 @@ class EagleProposer(DraftModel):
             w = self.pending.get(request.request_id)
             if w is None or w.end != position:
                 w = self.pending[request.request_id] = Waiting(position)
-            w.add(tokens, kept[offset:offset + len(tokens)])
+            w.add(tokens, kept[offset:offset + len(tokens)].clone())
             offset += len(tokens)
 
     def _waiting(self, request_id: str, position: int) -> tuple[int, list[int], list[torch.Tensor]]:
