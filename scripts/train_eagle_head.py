@@ -86,7 +86,7 @@ class EagleHead(nn.Module):
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.checkpoint_params().items()}
 
     def load_checkpoint(self, weights: dict[str, torch.Tensor]) -> None:
-        params = {name: p for name, p in self.checkpoint_params().items()}
+        params = self.checkpoint_params()
         for name, tensor in weights.items():
             params[name.removeprefix("model.")].data.copy_(tensor.float())
 

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -103,15 +104,22 @@ def load_model(path: Path, cfg: ModelConfig, load_format: str, dtype: torch.dtyp
     rank's place in a tensor-parallel group (it loads its part of each checkpoint tensor).
     Dummy weights are drawn per rank, so a tensor-parallel model of dummy weights differs
     from one rank's."""
-    model_cls = MODEL_REGISTRY[cfg.architecture]
+    with building(dtype, device):
+        model = MODEL_REGISTRY[cfg.architecture](cfg, max_position, kernels, quant, tp)
+    return fill_weights(model, path, load_format, seed)
+
+
+@contextmanager
+def building(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Modules built inside are made in `dtype` on `device`: no float32 copy of the weights
+    first, no copy from the CPU."""
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build in the target dtype: no float32 copy of the weights
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(cfg, max_position, kernels, quant, tp)
+            yield
     finally:
         torch.set_default_dtype(default_dtype)
-    return fill_weights(model, path, load_format, seed)
 
 
 def fill_weights(model: LlamaForCausalLM, path: Path, load_format: str, seed: int = 0) -> LlamaForCausalLM:

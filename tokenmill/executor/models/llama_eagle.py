@@ -27,17 +27,15 @@ from tokenmill.executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 class EagleLlamaForCausalLM(LlamaForCausalLM):
-    """`cfg`: the head's config (the target's shape with one layer); `target`: the model whose
-    embedding and LM head it shares (held outside the module tree: not the head's weights)."""
+    """`cfg`: the head's config (the target's shape with one layer, checked against the target's
+    by executor/spec/draft.py's resolve_draft); `target`: the model whose embedding and LM
+    head it shares (held outside the module tree: not the head's weights)."""
 
     def __init__(self, cfg: ModelConfig, target: LlamaForCausalLM, max_position: int,
                  kernels: ModuleType | None = None, fc_bias: bool = False) -> None:
         nn.Module.__init__(self)
         if cfg.num_layers != 1:
             raise ValueError(f"an EAGLE head has one decoder layer, this config has {cfg.num_layers}")
-        if (cfg.hidden_size, cfg.vocab_size) != (target.cfg.hidden_size, target.cfg.vocab_size):
-            raise ValueError(f"the EAGLE head's hidden size and vocabulary ({cfg.hidden_size}, {cfg.vocab_size}) "
-                             f"differ from the target's ({target.cfg.hidden_size}, {target.cfg.vocab_size})")
         self.cfg = cfg
         self.tp = None
         self.embed = target.embed_tokens.forward

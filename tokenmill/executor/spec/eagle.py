@@ -33,7 +33,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.loader import fill_weights, safetensors_files
+from tokenmill.executor.loader import building, fill_weights, safetensors_files
 from tokenmill.executor.models.llama_eagle import EagleLlamaForCausalLM
 from tokenmill.executor.spec.adaptive import acceptance, choose_num_drafts
 from tokenmill.executor.spec.draft import DraftModel
@@ -63,15 +63,10 @@ class EagleProposer(DraftModel):
         for f in safetensors_files(path):
             with safe_open(str(f), framework="pt") as st:
                 names.update(n.removeprefix("model.") for n in st.keys())
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(runner.dtype)
-        try:
-            with torch.device(runner.device):
-                head = EagleLlamaForCausalLM(model_config, runner.model,
-                                             max(runner.max_model_len, model_config.max_position_embeddings),
-                                             kernels, fc_bias="fc.bias" in names)
-        finally:
-            torch.set_default_dtype(default_dtype)
+        with building(runner.dtype, runner.device):
+            head = EagleLlamaForCausalLM(model_config, runner.model,
+                                         max(runner.max_model_len, model_config.max_position_embeddings),
+                                         kernels, fc_bias="fc.bias" in names)
         return fill_weights(head, path, "auto")
 
     def release(self, request_id: str) -> None:
@@ -158,22 +153,15 @@ class EagleProposer(DraftModel):
             self.drafts[request.request_id] = d
 
     def _keep(self, waiting: list[tuple[int, Request, int, int, list[int]]], hidden: torch.Tensor) -> None:
-        """Adds each request's pairs to those waiting for its next drafting step, with copies
-        of their hidden states (the step's buffer is reused; each request's own copy, so that
-        no step's whole gather stays alive for one request's rows), at most MAX_WAITING
-        positions a request (older ones are dropped: the head's cache has no pair for them,
-        so its drafts there are worse, not wrong)."""
-        rows = [r for _, _, row, _, tokens in waiting for r in range(row, row + len(tokens))]
-        self.staging.begin()
-        kept = hidden[self.staging.to_device(np.array(rows, dtype=np.int64))]
-        self.staging.end()
-        offset = 0
-        for _, request, _, position, tokens in waiting:
+        """Adds each request's pairs to those waiting for its next drafting step, with a copy
+        of their hidden states (its rows are contiguous; the step's buffer is reused), at most
+        MAX_WAITING positions a request (older ones are dropped: the head's cache has no pair
+        for them, so its drafts there are worse, not wrong)."""
+        for _, request, row, position, tokens in waiting:
             w = self.pending.get(request.request_id)
             if w is None or w.end != position:
                 w = self.pending[request.request_id] = Waiting(position)
-            w.add(tokens, kept[offset:offset + len(tokens)].clone())
-            offset += len(tokens)
+            w.add(tokens, hidden[row:row + len(tokens)].clone())
 
     def _waiting(self, request_id: str, position: int) -> tuple[int, list[int], list[torch.Tensor]]:
         """(first position, tokens, hidden-state pieces) of the pairs waiting for the request
