@@ -17,8 +17,8 @@ mean accepted length (tokens a request gets from one verification step: 1 + acce
 verification steps) and the share of outputs identical to decoding without drafts (always
 100% with --dtype float32, which asserts it; in bfloat16 the logits of a request's k + 1
 rows can round differently from one row's, so a near-tie between the top two tokens can
-flip, as in any engine). Methods and plain decoding take turns in each round; the medians
-over rounds are compared.
+flip, as in any engine). Methods and plain decoding take turns in each round, in an order
+that turns by one each round; the medians over rounds are compared.
 
 Methods: ngram, draft (the built-in draft model) and eagle (the built-in EAGLE head, which
 drafts from the target's hidden states), each adaptive (the default) and -fixed
@@ -134,9 +134,10 @@ def main() -> None:
             for llm in llms.values():
                 run(llm, prompts[:2])  # warm-up
             results = {name: [] for name in llms}
-            for _ in range(args.rounds):
-                for name, llm in llms.items():
-                    results[name].append(run(llm, prompts))
+            names = list(llms)
+            for r in range(args.rounds):  # the order turns each round: no method is always first
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    results[name].append(run(llms[name], prompts))
             base = results["none"]
             for name, runs in results.items():
                 # in float32 greedy outputs are those without drafts; in bfloat16 the logits of

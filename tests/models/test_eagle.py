@@ -61,14 +61,15 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits
     pairing tokens with hidden states, or a lost chunk, changes most)."""
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.executor.spec import eagle as proposer
+    from tokenmill.executor.spec import draft as drafter
 
     if waits:
         eagle = LLM(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=96,
                     speculative_config={**SPEC, "adaptive": True})
         calls = itertools.count()
-        monkeypatch.setattr(proposer, "choose_num_drafts",
-                            lambda rates, limits, *a, **kw: list(limits) if next(calls) % 3 == 0 else [0] * len(limits))
+        monkeypatch.setattr(drafter, "choose_num_drafts", lambda rates, limits, *a, **kw:
+                            list(limits) if next(calls) % 3 == 0 else [0] * len(limits))
+        monkeypatch.setattr(drafter, "MAX_REST", 0)  # asked every step
     target = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
     head = EagleHead(target.config)
     head.load_checkpoint(load_file(DEFAULT_EAGLE_MODEL_DIR / "model.safetensors"))

@@ -190,8 +190,8 @@ def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
     if sum(by_k()[1:]) == 0:  # whether the built-in draft pays depends on the machine and its load
         pytest.skip("adaptive speculation chose no drafts here even before the slowdown")
 
-    forward = drafter._forward
-    drafter._forward = lambda *a, **kw: (time.sleep(0.05), forward(*a, **kw))[1]
+    forward = drafter.model.forward
+    drafter.model.forward = lambda *a, **kw: (time.sleep(0.05), forward(*a, **kw))[1]
     llm.generate([PROMPTS[2]], replace(params, max_tokens=96), use_tqdm=False)  # learns the cost
     learnt = drafter.draft_cost(1)
     assert learnt > float(drafter.draft_cost.forward(1))  # above what start-up measured
@@ -199,4 +199,4 @@ def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
     llm.generate([PROMPTS[2]], params, use_tqdm=False)
     slow = [b - a for a, b in zip(before, by_k())]
     assert slow[0] >= 0.9 * sum(slow), slow  # almost every step without drafts
-    drafter._forward = forward
+    drafter.model.forward = forward

@@ -16,7 +16,7 @@ from tests.unit.test_sampler import batch as sampler_batch
 from tests.unit.test_scheduler import FakeRunner, make_request, make_scheduler, next_token, step
 from tokenmill.config import EngineConfig
 from tokenmill.executor.sampler import Sampler
-from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts
+from tokenmill.executor.spec.adaptive import CATCH_UP_STEPS, StepCost, acceptance, choose_num_drafts
 from tokenmill.executor.spec.ngram import TokenArrays, propose, propose_batch
 from tokenmill.executor.spec.proposer import can_speculate
 from tokenmill.executor.spec.rejection import accepted_prefix
@@ -259,6 +259,61 @@ def test_drafts_are_chosen_while_they_pay_for_their_time():
     # near the bend, the likelier requests keep their drafts and the others lose them
     bend = choose_num_drafts([0.95] * 8 + [0.3] * 8, [4] * 16, 48, mid)
     assert min(bend[:8]) > max(bend[8:])
+
+
+def test_a_drafters_catch_up_is_paid_by_the_requests_first_draft():
+    """A request the drafter is behind on (its prompt, steps it did not draft in) first costs
+    a forward over those tokens: in a small batch that pays back, in a larger one only the
+    requests the drafter has kept up with draft; a later draft never ranks above its request's
+    first."""
+    flat = StepCost([1, 1024], [0.010, 0.0101])
+    head = StepCost([1, 1024], [0.001, 0.002])
+    head.catch_up = 20e-6
+    late = 96 * CATCH_UP_STEPS  # tokens behind: 1.9 ms a step over CATCH_UP_STEPS
+    assert choose_num_drafts([0.8], [4], 1, flat, head, behind=[late]) == [4]
+    ks = choose_num_drafts([0.8] * 16, [4] * 16, 16, flat, head, behind=[late] * 8 + [0] * 8)
+    assert ks == [0] * 8 + [4] * 8
+    # without the catch-up's cost every request looks the same
+    assert choose_num_drafts([0.8] * 16, [4] * 16, 16, flat, head) == [4] * 16
+    # a likelier request far behind ranks below a less likely one that is not
+    assert choose_num_drafts([0.9, 0.6], [1, 1], 2, StepCost([1, 2, 1024], [0.010, 0.0105, 0.5]), head,
+                             behind=[500 * CATCH_UP_STEPS, 0]) == [0, 1]
+
+
+def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
+    """When no draft pays, the next steps get none without asking (the choice's numpy is a
+    few percent of a step): 1, 2, 4, ... up to MAX_REST steps while the answer stays no; a
+    batch half the size asks again at once; an answer of yes ends the rests."""
+    from types import SimpleNamespace
+
+    from tokenmill.executor.spec.draft import MAX_REST, DraftModel
+
+    steep = StepCost([1, 1024], [0.001, 1.024])  # a draft costs a token's time: none pays at 0.3
+    drafter = SimpleNamespace(choosing=True, resting=0, rest_length=0, rest_batch=0, prior=0.3, cost=steep,
+                              draft_cost=None)
+    requests = [make_request(f"r{i}", [1, 2, 3], max_tokens=64) for i in range(8)]
+    asked = []
+
+    def choose(step: int, batch: list) -> list[int]:
+        def inputs():
+            asked.append(step)
+            return [3] * len(batch), [0] * len(batch)
+        return DraftModel._choose(drafter, batch, [4] * len(batch), len(batch), inputs)
+
+    for step in range(60):
+        assert choose(step, requests) == [0] * 8
+    gaps = np.diff(asked).tolist()
+    assert gaps == [2, 3, 5, 9, 17] + [MAX_REST + 1] * (len(gaps) - 5)
+    assert drafter.resting > 0 and choose(60, requests[:4]) == [0] * 4 and asked[-1] == 60  # half the batch
+    assert drafter.resting == MAX_REST and drafter.rest_batch == 4  # (a no again: resting resumes)
+    drafter.cost = StepCost([1, 1024], [0.010, 0.0101])  # now drafts are nearly free
+    assert choose(61, requests[:2]) == [4] * 2 and asked[-1] == 61  # half of 4 asks; a yes ends the rests
+    assert drafter.resting == drafter.rest_length == 0
+    assert choose(62, requests) == [4] * 8 and asked[-1] == 62
+    drafter.cost = steep
+    assert choose(63, requests) == [0] * 8 and drafter.resting == 1
+    choose(64, [])  # a batch without candidates (all prefilling): the next one starts afresh
+    assert choose(65, requests) == [0] * 8 and asked[-1] == 65
 
 
 def test_acceptance_estimate_starts_at_the_prior():

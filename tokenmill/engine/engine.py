@@ -246,7 +246,9 @@ class Engine:
                 self._forget(tracked)
         cost = self.proposer.cost if self.proposer is not None else None
         if cost is not None and sched.is_decode_only:  # what the step costs beyond its forwards
-            drafting = getattr(self.proposer, "seconds", 0.0)  # the draft model's, which it learns itself
+            # the draft's forwards, whose cost it learns itself (its bookkeeping, which runs
+            # whether or not a request drafts, stays in the step's)
+            drafting = getattr(self.proposer, "seconds", 0.0)
             # nor is the drafts' attention overhead: choosing drafts counts it per draft (counted
             # here too, a step with drafts would raise every step's cost, and drafts would look
             # cheaper against it the more of them run)

@@ -37,7 +37,8 @@ from tokenmill.executor.prompt_logprobs import compute_prompt_logprobs, prompt_l
 from tokenmill.executor.sampler import SampledTokens, Sampler
 from tokenmill.executor.sampling_batch import build_sampling_batch
 from tokenmill.executor.spec.adaptive import StepCost, measure_step_cost
-from tokenmill.executor.spec.draft import DraftModel, resolve_draft
+from tokenmill.executor.spec.checkpoint import resolve_draft
+from tokenmill.executor.spec.draft import DraftModel
 from tokenmill.executor.spec.eagle import EagleProposer
 from tokenmill.executor.spec.rejection import accepted_prefix
 from tokenmill.executor.staging import Staging
@@ -241,7 +242,7 @@ class ModelRunner(CacheOwner):
         prompt_logprobs = compute_prompt_logprobs(self.model, self.staging, self.sampler, hidden, plp) if plp else {}
         if not sampling:
             self.staging.end()
-            if self.drafter is not None:  # it keeps up with the prompt chunks
+            if self.drafter is not None:  # an EAGLE head keeps the chunks' hidden states
                 self.drafter.run(out, [], target_hidden)
             return LaunchedStep([], None, prompt_logprobs)
         if sample_rows is not None:

@@ -28,7 +28,7 @@ from tokenmill.executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 class EagleLlamaForCausalLM(LlamaForCausalLM):
     """`cfg`: the head's config (the target's shape with one layer, checked against the target's
-    by executor/spec/draft.py's resolve_draft); `target`: the model whose embedding and LM
+    by executor/spec/checkpoint.py's resolve_draft); `target`: the model whose embedding and LM
     head it shares (held outside the module tree: not the head's weights)."""
 
     def __init__(self, cfg: ModelConfig, target: LlamaForCausalLM, max_position: int,

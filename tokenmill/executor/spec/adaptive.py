@@ -43,14 +43,18 @@ class StepCost:
         self.overhead = 0.0
         self.robust = robust
         self.attention = 0.0  # seconds a query token adds per token of context it attends to
+        self.catch_up = 0.0  # a drafter's seconds per token it computes to catch up (prompt-shaped)
+        # past the last measured point, its last slope: one more point far out (interpolation
+        # is one numpy call, which matters for choosing drafts in every step)
+        t, s = self.tokens, self.seconds
+        slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else s[-1] / t[-1]
+        far = t[-1] + 1e9
+        self._tokens, self._seconds = np.append(t, far), np.append(s, s[-1] + slope * (far - t[-1]))
 
     def forward(self, num_tokens):
         """The forward's seconds at `num_tokens` (an int or an array of them); past the last
         measured point, its last slope."""
-        t, s = self.tokens, self.seconds
-        slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else s[-1] / t[-1]
-        n = np.asarray(num_tokens, dtype=np.float64)
-        return np.where(n <= t[-1], np.interp(n, t, s), s[-1] + slope * (n - t[-1]))
+        return np.interp(num_tokens, self._tokens, self._seconds)
 
     def __call__(self, num_tokens: int) -> float:
         return float(self.forward(num_tokens)) + self.overhead
@@ -81,17 +85,20 @@ class StepCost:
 
     def __repr__(self) -> str:
         return ", ".join(f"{int(n)}: {1e3 * s:.2f} ms" for n, s in zip(self.tokens, self.seconds)) + \
-            f"; attention {1e9 * self.attention:.1f} ns per context token"
+            f"; attention {1e9 * self.attention:.1f} ns per context token" + \
+            (f"; catching up {1e6 * self.catch_up:.1f} us per token" if self.catch_up else "")
 
 
 @torch.inference_mode()
 def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512,
-                      robust: bool = False) -> StepCost:
+                      robust: bool = False, catch_up: bool = False) -> StepCost:
     """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
     n = 1, 2, 4, ... up to max_tokens, the fastest of `repeats`; then 16 of them again over
-    `context` tokens each: what attention adds per context token. They run over the
-    runner's own cache before any request is in it (no second cache: on a GPU the first
-    takes what memory there is), as far as its blocks go."""
+    `context` tokens each: what attention adds per context token. `catch_up` (a drafter):
+    also one sequence of up to 256 tokens with logits at its last, as a drafter catches up
+    with a request's tokens: its seconds per token. They run over the runner's own cache
+    before any request is in it (no second cache: on a GPU the first takes what memory
+    there is), as far as its blocks go."""
     bs = runner.block_size
     num_blocks = runner.kv_cache.num_slots // bs
     counts = [1]
@@ -103,26 +110,41 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     backend = runner.make_backend(runner.kv_cache)
     put = runner.staging.to_device
 
-    def forward(n: int, seq_len: int) -> float:
-        query_lens = np.ones(n, dtype=np.int32)
+    def forward(n: int, seq_len: int, query: int = 1, repeats: int = repeats) -> float:
+        query_lens = np.full(n, query, dtype=np.int32)
         block_table = np.arange(n * per_seq if seq_len > 1 else n, dtype=np.int32).reshape(n, -1)
-        positions, slots = token_slots(query_lens, np.full(n, seq_len - 1, dtype=np.int64), block_table, bs)
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first is a warm-up
+        positions, slots = token_slots(query_lens, np.full(n, seq_len - query, dtype=np.int64), block_table, bs)
+        best, runs, spent = float("inf"), 0, 0.0
+        # the first is a warm-up; short forwards run up to 6 times (timing noise is larger
+        # against them, and a draft's worth is often decided by a fraction of a millisecond)
+        while runs <= repeats or (runs < 6 and spent < 0.05):
+            runs += 1
             start = time.perf_counter()
             runner.staging.begin()
             backend.begin_step(AttentionMetadata.from_host(query_lens, np.full(n, seq_len, dtype=np.int32),
                                                            block_table, put(slots), bs, put))
-            hidden = runner.model(put(np.zeros(n, dtype=np.int64)), put(positions), backend)
+            hidden = runner.model(put(np.zeros(n * query, dtype=np.int64)), put(positions), backend)
+            if query > 1:
+                hidden = hidden[query - 1::query]
             ids = runner.sampler._argmax(runner.model.compute_logits(hidden))
             runner.sampler.to_host(ids)[0].tolist()
             runner.staging.end()
-            best = min(best, time.perf_counter() - start)
+            took = time.perf_counter() - start
+            spent += took
+            if runs > 1:
+                best = min(best, took)
         return best
 
     seconds = [forward(n, 1) for n in counts]
     cost = StepCost(counts, seconds, robust)
-    cost.attention = max(0.0, (forward(wide, context) - seconds[counts.index(wide)]) / (wide * (context - 1)))
+    # attention: the median of 5 differences, each of two forwards timed one after the
+    # other (timed far apart, a moment's load on the machine made it 0.5x-1.5x)
+    forward(wide, context)
+    extra = [forward(wide, context, repeats=1) - forward(wide, 1, repeats=1) for _ in range(5)]
+    cost.attention = max(0.0, float(np.median(extra)) / (wide * (context - 1)))
+    if catch_up:
+        rows = max(1, min(256, max_tokens, context))
+        cost.catch_up = forward(1, rows, rows) / rows
     return cost
 
 
@@ -132,26 +154,47 @@ def acceptance(accepted: int, rejected: int, prior: float, weight: float = 2.0) 
     return (accepted + weight * prior) / (accepted + rejected + weight)
 
 
+# a drafter's catch-up with a request (the tokens it has not computed: a prompt, or the
+# steps the request did not draft in) is counted against the request's first draft, spread
+# over this many steps: once caught up, the request drafts at the usual cost
+CATCH_UP_STEPS = 16
+
+
 def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, cost: StepCost,
-                      draft: StepCost | None = None, contexts: list[int] | None = None) -> list[int]:
+                      draft: StepCost | None = None, contexts: list[int] | None = None,
+                      behind: list[int] | None = None) -> list[int]:
     """How many drafts each request verifies: `rates` are their acceptance probabilities,
     `limits` the drafts each has, `num_tokens` what the step computes without drafts (one
     token per request at least). The drafts, most likely first (request i's j-th is worth
     rates[i] ** j tokens), are kept up to the count that gives the most tokens per second.
     `draft`: the draft model's forward cost; its j-th forward makes every j-th draft, so
     the drafts kept add those forwards' time too. `contexts`: each request's tokens, which
-    each of its drafts attends to in the target's forward (and the draft's)."""
+    each of its drafts attends to in the target's forward (and the draft's). `behind`: the
+    tokens the draft has to catch up with before drafting for each request; their cost
+    (draft.catch_up each, over CATCH_UP_STEPS) goes with the request's first draft, which
+    ranks lower by what that time is worth in tokens (and its later drafts no higher)."""
     rates = np.asarray(rates, dtype=np.float64)
     limits = np.asarray(limits, dtype=np.int64)
     total = int(limits.sum())
     if total == 0:
         return [0] * len(rates)
     owner = np.repeat(np.arange(len(rates)), limits)
-    depth = np.arange(total) - np.repeat(np.cumsum(limits) - limits, limits) + 1  # j = 1..limit
+    first = np.cumsum(limits) - limits  # each request's first draft
+    depth = np.arange(total) - np.repeat(first, limits) + 1  # j = 1..limit
     gain = rates[owner] ** depth
-    order = np.argsort(-gain, kind="stable")  # within a request, j before j + 1
+    base = float(cost.forward(num_tokens)) + cost.overhead
+    catch = np.zeros(total)
+    if behind is not None and draft is not None and draft.catch_up > 0:
+        catch[first[limits > 0]] = (np.asarray(behind, dtype=np.float64)[limits > 0] * draft.catch_up
+                                    / CATCH_UP_STEPS)
+    # the rank: a first draft's worth less its catch-up's time in tokens (at the step's rate
+    # without drafts); a later draft ranks no higher than its request's first
+    rank = gain - catch * len(rates) / base
+    rank = np.minimum(rank, rank[np.repeat(first, limits)])
+    order = np.argsort(-rank, kind="stable")  # within a request, j before j + 1
     expected = len(rates) + np.concatenate(([0.0], np.cumsum(gain[order])))
     seconds = cost.forward(num_tokens + np.arange(total + 1)) + cost.overhead
+    seconds = seconds + np.concatenate(([0.0], np.cumsum(catch[order])))
     if contexts is not None:
         per_token = cost.attention + (draft.attention if draft is not None else 0.0)
         attention = per_token * np.asarray(contexts, dtype=np.float64)[owner[order]]

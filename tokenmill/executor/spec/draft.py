@@ -9,9 +9,11 @@ draft forwards read.
 
 One step, after verification:
   forward 1: each drafting request's tokens that the draft has not computed yet (usually
-             the accepted drafts and the target's next token; after a prefix-cache hit, a
-             preemption or steps without drafts, more), and the prompt chunks of requests
-             that may speculate later; the next token's logits give draft 1;
+             the accepted drafts and the target's next token; its prompt the first time it
+             drafts; after a preemption or steps without drafts, more), at most
+             max_num_batched_tokens in all (a catch-up that does not fit runs as a chunk of
+             what does, that request drafting in a later step); the next token's logits
+             give draft 1;
   forward j: each request with more than j - 1 drafts feeds its draft j - 1.
 A request's draft-computed length never passes the target's num_computed_tokens (the
 next token's slot may be freed by the rollback), and a preempted request starts from 0.
@@ -24,19 +26,17 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
-from tokenmill.config import (DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, DEFAULT_MODEL_DIR, ModelConfig,
-                              SpeculativeConfig)
+from tokenmill.config import ModelConfig, SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
-from tokenmill.executor.loader import load_model, resolve_model_path
-from tokenmill.executor.models.llama_eagle import eagle_config
+from tokenmill.executor.loader import load_model
 from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts, measure_step_cost
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 
@@ -46,43 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill")
 
 
-def resolve_draft(config: SpeculativeConfig, target_path: Path, target: ModelConfig) -> tuple[Path, ModelConfig]:
-    """The draft's (a draft model's or an EAGLE head's) checkpoint directory and config,
-    checked against the target's; errors name `speculative_config.model`."""
-    eagle = config.method == "eagle"
-    if config.model is None:
-        if Path(target_path).resolve() != DEFAULT_MODEL_DIR.resolve():
-            raise ValueError(f"speculative_config.model: method {config.method!r} needs "
-                             f"{'an EAGLE head' if eagle else 'a draft model'} checkpoint (the built-in one is "
-                             f"the default only for the built-in model)")
-        path = DEFAULT_EAGLE_MODEL_DIR if eagle else DEFAULT_DRAFT_MODEL_DIR
-    try:
-        path = resolve_model_path(str(path) if config.model is None else config.model)
-        draft = eagle_config(path) if eagle else ModelConfig.from_dir(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"speculative_config.model: {config.model!r} does not load: {e}") from e
-    if eagle and draft.hidden_size != target.hidden_size:
-        raise ValueError(f"speculative_config.model: the EAGLE head's hidden size is {draft.hidden_size}, the "
-                         f"target's {target.hidden_size}; a head reads the target's hidden states")
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, the "
-                         f"target's {target.vocab_size}; a draft needs the target's tokenizer")
-    mine, theirs = _vocab(path), _vocab(Path(target_path))
-    if mine is not None and theirs is not None and mine != theirs:
-        raise ValueError(f"speculative_config.model: the draft's tokenizer ({path}) differs from the target's; a "
-                         f"draft needs the target's tokenizer")
-    return path, draft
-
-
-def _vocab(path: Path) -> dict[str, int] | None:
-    """The checkpoint's tokenizer vocabulary, or None without tokenizer files."""
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        return None
-    from tokenmill.engine.detokenizer import load_tokenizer
-    return load_tokenizer(path).get_vocab()
-
-
 EXPLORE_EVIDENCE = 32  # verified drafts (accepted ones and rejecting steps) before drafts are chosen
+MAX_REST = 16  # steps without drafts, without asking (see DraftModel._choose)
 
 
 class DraftModel(Proposer, CacheOwner):
@@ -93,6 +58,7 @@ class DraftModel(Proposer, CacheOwner):
                  num_blocks: int, max_num_batched_tokens: int, kernels) -> None:
         super().__init__(config, runner.max_model_len, runner.step_cost)
         self.block_size = bs = runner.block_size
+        self.max_rows = max_num_batched_tokens  # the most tokens one draft forward computes
         self.device = runner.device
         self.staging = runner.staging
         self.sampler = runner.sampler
@@ -114,12 +80,15 @@ class DraftModel(Proposer, CacheOwner):
         self.drafts: dict[str, list[int]] = {}  # made this step, for the next
         self.prior = 0.5  # acceptance over all requests so far: the start of each request's own
         self.evidence = 0  # accepted drafts and rejecting verifications so far, over all requests
-        self.seconds = 0.0  # spent drafting in the last step (the target's step cost leaves it out)
+        self.resting = 0  # steps left that get no drafts without asking
+        self.rest_length = 0  # the last rest's steps (doubled each time drafts still do not pay)
+        self.rest_batch = 0  # the candidates when the rest began
+        self.seconds = 0.0  # spent in draft forwards in the last step (the target's step cost leaves it out)
+        self.forward_seconds = 0.0  # and in its decode-shaped ones; both with their host work
         self.forwards: list[int] = []  # the tokens of each decode-shaped draft forward of the last step
-        self.num_forwards = 0  # and how many forwards it ran in all
         self.draft_cost: StepCost | None = None
         if self.cost is not None:
-            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), robust=True)
+            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), robust=True, catch_up=True)
             logger.info("adaptive speculation: draft forward time by tokens %s", self.draft_cost)
 
     @property
@@ -128,6 +97,32 @@ class DraftModel(Proposer, CacheOwner):
         until then every request drafts (a draft's worth at the 0.5 prior can be below its
         cost, and a proposer that never drafts never learns its rate)."""
         return self.cost is not None and self.evidence >= EXPLORE_EVIDENCE
+
+    def _choose(self, requests: list[Request], limits: list[int], num_tokens: int,
+                inputs: Callable[[], tuple[list[int], list[int]]]) -> list[int]:
+        """The drafts each candidate request makes this step (choose_num_drafts' arguments;
+        `inputs()` gives its contexts and behind); while exploring, all it has room for.
+        When no draft pays, the next steps get none without asking: 1 step, then 2, 4, ... up
+        to MAX_REST while the answer stays no. On this 2-core CPU the choice costs 0.1-0.5 ms
+        of numpy and Python a step, 1.5-4% of a step at 16-64 requests, and while drafts do
+        not pay, the rates and costs change slowly. Half the candidates ask again at once (a
+        smaller batch makes drafts cheaper)."""
+        if not requests:  # a batch without candidates: the next one starts afresh
+            self.resting = self.rest_length = 0
+        if not self.choosing or not requests:
+            return limits
+        if self.resting > 0 and 2 * len(requests) > self.rest_batch:
+            self.resting -= 1
+            return [0] * len(requests)
+        contexts, behind = inputs()
+        rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for r in requests]
+        ks = choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind)
+        if any(ks):
+            self.rest_length = self.resting = 0
+        else:
+            self.rest_length = min(MAX_REST, 2 * self.rest_length or 1)
+            self.resting, self.rest_batch = self.rest_length, len(requests)
+        return ks
 
     @staticmethod
     def load(runner: ModelRunner, path: Path, model_config: ModelConfig, kernels):
@@ -145,55 +140,64 @@ class DraftModel(Proposer, CacheOwner):
         """Drafts for the step's sampling requests, from the tokens they have once `sampled`
         (per sampling request, in order: the accepted drafts and the target's next token).
         `hidden`: the target's hidden states of the step's tokens (what an EAGLE head reads)."""
-        start = time.perf_counter()
-        self.forwards, self.num_forwards = [], 0
-        try:
-            self._run(out, sampled, hidden)
-        finally:
-            self.seconds = time.perf_counter() - start
-        if self.draft_cost is not None and self.forwards and len(self.forwards) == self.num_forwards:
-            # the adaptive cost learns what drafting costs in the engine's step, its host work
-            # included: the start-up timing ran the draft alone, its weights in cache
+        self.forwards, self.seconds, self.forward_seconds = [], 0.0, 0.0
+        self._run(out, sampled, hidden)
+        if self.draft_cost is not None and self.forwards:
+            # the adaptive cost learns what a draft forward costs in the engine's step, its host
+            # work included: the start-up timing ran the draft alone, its weights in cache. Only
+            # the decode-shaped forwards are timed: a catch-up has its own cost, and the step's
+            # bookkeeping (pairs, choosing) runs whether or not a request drafts, so it is the
+            # target step's (the engine leaves out only `seconds`, the forwards)
             curve = float(np.mean(self.draft_cost.forward(self.forwards)))
-            self.draft_cost.observe_curve(curve, self.seconds / len(self.forwards))
+            self.draft_cost.observe_curve(curve, self.forward_seconds / len(self.forwards))
 
     def _run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]], hidden: torch.Tensor | None) -> None:
         for request in out.preempted:
             self.release(request.request_id)
-        chunks = []  # (request, first position, tokens): prompt chunks the draft keeps up with
-        drafting = []  # (row, request, first position, tokens, room)
+        drafting = []  # (row, request, first position, new tokens, room)
         j = 0
         for i, request in enumerate(out.requests):
-            new = None
-            if out.samples(i):
-                new = [t for t, _ in sampled[j]]
-                j += 1
-            if can_speculate(request) is not None:
+            if not out.samples(i):  # a prompt chunk: the draft catches up when the request drafts
                 continue
-            start = min(self.computed.get(request.request_id, 0), out.num_computed_tokens[i])
-            if new is None:
-                end = out.num_computed_tokens[i] + out.num_scheduled_tokens[i]
-                if start < end:
-                    chunks.append((i, request, start, request.all_token_ids[start:end]))
+            new = sampled[j]
+            j += 1
+            if can_speculate(request) is not None:
                 continue
             room = self.room(request, len(new))
             if room > 0:
-                drafting.append((i, request, start, request.all_token_ids[start:] + new, room))
-        if self.choosing and drafting:
-            rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for _, r, *_ in drafting]
-            ks = choose_num_drafts(rates, [room for *_, room in drafting], len(out.requests), self.cost,
-                                   self.draft_cost, [start + len(tokens) for _, _, start, tokens, _ in drafting])
-        else:
-            ks = [room for *_, room in drafting]
+                start = min(self.computed.get(request.request_id, 0), out.num_computed_tokens[i])
+                drafting.append((i, request, start, new, room))
+        # the tokens the draft has not computed before this step's (the prompt, steps without drafts)
+        behind = [len(d[1].all_token_ids) - d[2] - 1 for d in drafting]
+        ks = self._choose([d[1] for d in drafting], [d[4] for d in drafting], len(out.requests),
+                          lambda: ([len(r.all_token_ids) + len(new) for _, r, _, new, _ in drafting], behind))
         candidates = len(drafting)
-        drafting = [(d, k) for d, k in zip(drafting, ks) if k > 0][:self.scratch_rows]
+        # a forward computes at most max_rows tokens: the requests that fit draft; then the
+        # catch-ups that did not fit get what room is left (a chunk each, no drafts this step)
+        chosen, late_ones, rows = [], [], 0
+        for (i, request, start, new, _), k, late in zip(drafting, ks, behind):
+            if k == 0 or len(chosen) == self.scratch_rows:
+                continue
+            tokens = request.all_token_ids[start:] + [t for t, _ in new]
+            if rows + len(tokens) <= self.max_rows:
+                chosen.append(((i, request, start, tokens), k))
+                rows += len(tokens)
+            elif late > 0:
+                late_ones.append((i, request, start, tokens[:late]))
+        chunks = []  # (row, request, first position, tokens)
+        for i, request, start, tokens in late_ones:
+            if rows >= self.max_rows:
+                break
+            chunks.append((i, request, start, tokens[:self.max_rows - rows]))
+            rows += len(chunks[-1][3])
+        drafting = chosen
         if candidates and not drafting and self.draft_cost is not None:
             self.draft_cost.fade()  # so that drafting is tried again some time
         if not drafting and not chunks:
             return
         # forward 1: the chunks, then the drafting requests (logits at each one's last token)
         rows = [(i, start, tokens) for i, _, start, tokens in chunks] + \
-               [(i, start, tokens) for (i, _, start, tokens, _), _ in drafting]
+               [(i, start, tokens) for (i, _, start, tokens), _ in drafting]
         width = max(len(out.block_tables[i]) for i, _, _ in rows) + self.scratch_per_row
         table = np.zeros((len(rows), width), dtype=np.int32)
         for row, (i, _, _) in enumerate(rows):
@@ -207,14 +211,17 @@ class DraftModel(Proposer, CacheOwner):
         starts = np.array([s for _, s, _ in rows], dtype=np.int64)
         ids = [t for _, _, tokens in rows for t in tokens]
         last = np.cumsum(query_lens)[len(chunks):] - 1
-        tokens, _ = self._forward(query_lens, starts, table, ids, last, decode=not chunks)
+        # decode-shaped (what the learnt cost times): no catch-up, each request's last known
+        # token, its accepted drafts and the next token at most
+        decode = not chunks and bool(query_lens.max() <= 2 + self.config.num_speculative_tokens)
+        tokens, _ = self._forward(query_lens, starts, table, ids, last, decode)
         for _, request, start, chunk in chunks:
             self.computed[request.request_id] = start + len(chunk)
         if not drafting:
             return
         drafts = [[t] for t in tokens]
         table = table[len(chunks):]
-        positions = np.array([start + len(toks) for (_, _, start, toks, _), _ in drafting], dtype=np.int64)
+        positions = np.array([start + len(toks) for (_, _, start, toks), _ in drafting], dtype=np.int64)
         ks = np.array([k for _, k in drafting])
         for step in range(1, int(ks.max())):  # forward j + 1: one token each, its latest draft
             active = np.flatnonzero(ks > step)
@@ -222,7 +229,7 @@ class DraftModel(Proposer, CacheOwner):
                                    table[active], [drafts[a][-1] for a in active], np.arange(len(active)))
             for a, t in zip(active, nxt):
                 drafts[a].append(t)
-        for ((_, request, start, toks, _), _), d in zip(drafting, drafts):
+        for ((_, request, start, toks), _), d in zip(drafting, drafts):
             # the draft computed every known token; the last one's slot may go with the rollback
             self.computed[request.request_id] = start + len(toks) - 1
             self.drafts[request.request_id] = d
@@ -231,10 +238,10 @@ class DraftModel(Proposer, CacheOwner):
                  logits_rows: np.ndarray, decode: bool = True,
                  features: tuple[torch.Tensor, np.ndarray | None] | None = None) -> tuple[list[int], torch.Tensor]:
         """One draft forward; the argmax and the output hidden states at `logits_rows` (may be
-        none). `decode`: no prompt chunks among its rows (the forwards the adaptive cost
-        models). `features` (an EAGLE head's input): the rows `features[1]` of `features[0]`,
+        none). `decode`: each request's rows are its last few tokens, no catch-up (the forwards
+        the adaptive cost models). `features` (an EAGLE head's input): the rows `features[1]` of `features[0]`,
         or all of them for None."""
-        self.num_forwards += 1
+        start = time.perf_counter()
         if decode:
             self.forwards.append(len(ids))
         positions, slots = token_slots(query_lens, starts, table, self.block_size)
@@ -247,13 +254,19 @@ class DraftModel(Proposer, CacheOwner):
             source, rows = features
             extra = (source if rows is None or len(rows) == len(source) else source[put(rows.astype(np.int64))],)
         hidden = self.model(put(np.array(ids, dtype=np.int64)), put(positions), self.attn, *extra)
+        tokens = []
         if len(logits_rows) == 0:
-            self.staging.end()
-            return [], hidden[:0]
-        if len(logits_rows) != len(hidden):
+            hidden = hidden[:0]
+        elif len(logits_rows) != len(hidden):
             hidden = hidden[put(np.asarray(logits_rows, dtype=np.int64))]
         self.staging.end()
-        return self.sampler.to_host(self.sampler._argmax(self.model.compute_logits(hidden)))[0].tolist(), hidden
+        if len(logits_rows):
+            tokens = self.sampler.to_host(self.sampler._argmax(self.model.compute_logits(hidden)))[0].tolist()
+        took = time.perf_counter() - start
+        self.seconds += took
+        if decode:
+            self.forward_seconds += took
+        return tokens, hidden
 
     # -- after the scheduler took the step's tokens ----------------------------------
     def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int) -> None:
