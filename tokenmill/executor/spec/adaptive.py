@@ -139,7 +139,6 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     cost = StepCost(counts, seconds, robust)
     # attention: the median of 5 differences, each of two forwards timed one after the
     # other (timed far apart, a moment's load on the machine made it 0.5x-1.5x)
-    forward(wide, context)
     extra = [forward(wide, context, repeats=1) - forward(wide, 1, repeats=1) for _ in range(5)]
     cost.attention = max(0.0, float(np.median(extra)) / (wide * (context - 1)))
     if catch_up:

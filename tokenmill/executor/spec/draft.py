@@ -239,8 +239,8 @@ class DraftModel(Proposer, CacheOwner):
                  features: tuple[torch.Tensor, np.ndarray | None] | None = None) -> tuple[list[int], torch.Tensor]:
         """One draft forward; the argmax and the output hidden states at `logits_rows` (may be
         none). `decode`: each request's rows are its last few tokens, no catch-up (the forwards
-        the adaptive cost models). `features` (an EAGLE head's input): the rows `features[1]` of `features[0]`,
-        or all of them for None."""
+        the adaptive cost models). `features` (an EAGLE head's input): the rows `features[1]`
+        of `features[0]`, or all of them for None."""
         start = time.perf_counter()
         if decode:
             self.forwards.append(len(ids))

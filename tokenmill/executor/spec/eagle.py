@@ -157,8 +157,9 @@ class EagleProposer(DraftModel):
         request (older ones are dropped: the head's cache has no pair for them, so its drafts
         there are worse, not wrong). The decode-shaped pieces (at most 1 + k rows each) share
         one copy of the step's rows, made in one gather (with a copy a request, the step's
-        bookkeeping at 64 requests took 2.6 ms, with one 1.5 ms on this CPU). A prompt chunk's rows get a copy of their own, so
-        that another request's few rows never hold a long chunk."""
+        bookkeeping at 64 requests took 2.6 ms, with one 1.5 ms on this CPU). A prompt
+        chunk's rows get a copy of their own, so that another request's few rows never hold
+        a long chunk."""
         most = 1 + self.config.num_speculative_tokens
         small = [j for j, piece in enumerate(waiting) if len(piece[4]) <= most]
         where: dict[int, tuple[torch.Tensor, int]] = {}  # piece -> (the copy holding its rows, first row)
@@ -179,16 +180,22 @@ class EagleProposer(DraftModel):
                 w = self.pending[request.request_id] = Waiting(position)
             w.add(tokens, *(where.get(j) or (hidden[row:row + len(tokens)].clone(), 0)))
 
+    def _leading_to(self, request_id: str, position: int) -> Waiting | None:
+        """The pairs waiting for the request whose next pair is at `position`, if they lead up to it."""
+        w = self.pending.get(request_id)
+        return w if w is not None and w.end == position else None
+
     def _behind(self, request_id: str, position: int) -> int:
         """How many pairs wait for the request whose next pair is at `position`."""
-        w = self.pending.get(request_id)
-        return w.end - w.start if w is not None and w.end == position else 0
+        w = self._leading_to(request_id, position)
+        return 0 if w is None else w.end - w.start
 
     def _waiting(self, request_id: str, position: int) -> tuple[int, list[int], list[torch.Tensor]]:
         """(first position, tokens, hidden-state pieces) of the pairs waiting for the request
         whose next pair is at `position`; none if they do not lead up to it."""
-        w = self.pending.pop(request_id, None)
-        if w is None or w.end != position:
+        w = self._leading_to(request_id, position)
+        self.pending.pop(request_id, None)
+        if w is None:
             return position, [], []
         return w.start, list(chain.from_iterable(w.ids)), [source[first:first + len(ids)] for ids, source, first
                                                             in zip(w.ids, w.sources, w.firsts)]
