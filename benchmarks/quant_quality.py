@@ -4,7 +4,8 @@ scheme against the 16-bit model, all through tokenmill's engine:
     python benchmarks/quant_quality.py [--schemes int8,kv-int8,kv-fp8] [--windows 48] [--output-json FILE]
 
 Schemes: int8 / fp8 (W8A8 weights and activations; fp8 on CUDA only), kv-int8 / kv-fp8 /
-kv-fp8_e5m2 (the 16-bit model over an 8-bit KV cache, kv_cache_dtype).
+kv-fp8_e5m2 (the 16-bit model over an 8-bit KV cache, kv_cache_dtype); float32 / bfloat16
+(no quantization, the model in that dtype: how far two unquantized runs differ).
 
 perplexity  on the held-out standard-library files of the model's training split
             (scripts/train_demo_model.py), in 512-token windows, from the engine's own
@@ -39,7 +40,9 @@ from tokenmill.config import DEFAULT_MODEL_DIR  # noqa: E402
 
 SCHEMES = {"int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},  # fp8 weights: CUDA
            "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp8": {"kv_cache_dtype": "fp8"},
-           "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"}}
+           "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
+           # the metric's noise floor: the unquantized model in another 16/32-bit dtype
+           "float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}}
 WINDOW = 512
 
 
@@ -83,7 +86,7 @@ def main() -> None:
     results = {}
     base = None
     for name in ["16-bit", *args.schemes]:
-        llm = LLM(str(DEFAULT_MODEL_DIR), **engine_args, **SCHEMES.get(name, {}))
+        llm = LLM(str(DEFAULT_MODEL_DIR), **{**engine_args, **SCHEMES.get(name, {})})
         tok = llm.tokenizer
         prompts = [{"prompt_token_ids": tok.encode(p)[-384:]} for p, _ in items]
         r = evaluate(llm, windows, prompts, [sig for _, sig in items])

@@ -280,6 +280,19 @@ def test_a_drafters_catch_up_is_paid_by_the_requests_first_draft():
                              behind=[500 * CATCH_UP_STEPS, 0]) == [0, 1]
 
 
+def test_a_catch_up_token_is_learnt_from_the_engines_forwards():
+    """The start-up timing of a catch-up token (the draft alone, its weights in cache) moves
+    towards what catch-ups cost in the engine's steps; one stalled forward counts for at
+    most 4 times the estimate."""
+    head = StepCost([1, 1024], [0.001, 0.002])
+    head.catch_up = 20e-6
+    for _ in range(40):
+        head.observe_catch_up(40e-6)
+    assert head.catch_up == pytest.approx(40e-6, rel=0.02)
+    head.observe_catch_up(1.0)  # a stall: counted as 4x the estimate
+    assert head.catch_up == pytest.approx(0.9 * 40e-6 + 0.1 * 160e-6, rel=0.02)
+
+
 def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
     """When no draft pays, the next steps get none without asking (the choice's numpy is a
     few percent of a step): 1, 2, 4, ... up to MAX_REST steps while the answer stays no; a

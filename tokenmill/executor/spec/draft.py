@@ -48,6 +48,7 @@ logger = logging.getLogger("tokenmill")
 
 EXPLORE_EVIDENCE = 32  # verified drafts (accepted ones and rejecting steps) before drafts are chosen
 MAX_REST = 16  # steps without drafts, without asking (see DraftModel._choose)
+CATCH_UP_ROWS = 32  # a forward of at least this many catch-up rows times a catch-up token
 
 
 class DraftModel(Proposer, CacheOwner):
@@ -83,8 +84,11 @@ class DraftModel(Proposer, CacheOwner):
         self.resting = 0  # steps left that get no drafts without asking
         self.rest_length = 0  # the last rest's steps (doubled each time drafts still do not pay)
         self.rest_batch = 0  # the candidates when the rest began
-        self.seconds = 0.0  # spent in draft forwards in the last step (the target's step cost leaves it out)
-        self.forward_seconds = 0.0  # and in its decode-shaped ones; both with their host work
+        # the last step's drafting: from the choice on, its forwards and their bookkeeping (the
+        # target's step cost leaves it out); of it, the forwards that were not decode-shaped
+        self.seconds = 0.0
+        self.catch_up_seconds = 0.0
+        self.drafting_since: float | None = None  # when the step's drafting began (see `drafting`)
         self.forwards: list[int] = []  # the tokens of each decode-shaped draft forward of the last step
         self.draft_cost: StepCost | None = None
         if self.cost is not None:
@@ -140,16 +144,23 @@ class DraftModel(Proposer, CacheOwner):
         """Drafts for the step's sampling requests, from the tokens they have once `sampled`
         (per sampling request, in order: the accepted drafts and the target's next token).
         `hidden`: the target's hidden states of the step's tokens (what an EAGLE head reads)."""
-        self.forwards, self.seconds, self.forward_seconds = [], 0.0, 0.0
+        self.forwards, self.seconds, self.catch_up_seconds, self.drafting_since = [], 0.0, 0.0, None
         self._run(out, sampled, hidden)
+        if self.drafting_since is not None:
+            self.seconds = time.perf_counter() - self.drafting_since
         if self.draft_cost is not None and self.forwards:
-            # the adaptive cost learns what a draft forward costs in the engine's step, its host
-            # work included: the start-up timing ran the draft alone, its weights in cache. Only
-            # the decode-shaped forwards are timed: a catch-up has its own cost, and the step's
-            # bookkeeping (pairs, choosing) runs whether or not a request drafts, so it is the
-            # target step's (the engine leaves out only `seconds`, the forwards)
+            # the adaptive cost learns what a decode-shaped draft forward costs in the engine's
+            # step: the start-up timing ran the draft alone, its weights in cache. What drafting
+            # adds to the step besides its forwards (the tables, the drafts' lists: about 1 ms a
+            # drafting step at 4 requests on a 2-core CPU) goes with them; catch-ups have their
+            # own cost. What runs whether or not a request drafts (pairs, choosing) is the
+            # target step's overhead (the engine leaves out `seconds`)
             curve = float(np.mean(self.draft_cost.forward(self.forwards)))
-            self.draft_cost.observe_curve(curve, self.forward_seconds / len(self.forwards))
+            self.draft_cost.observe_curve(curve, (self.seconds - self.catch_up_seconds) / len(self.forwards))
+
+    def drafting(self) -> None:
+        """Marks where the step's drafting begins in `_run`: once the drafts are chosen."""
+        self.drafting_since = time.perf_counter()
 
     def _run(self, out: SchedulerOutput, sampled: list[list[tuple[int, object]]], hidden: torch.Tensor | None) -> None:
         for request in out.preempted:
@@ -191,6 +202,7 @@ class DraftModel(Proposer, CacheOwner):
             chunks.append((i, request, start, tokens[:self.max_rows - rows]))
             rows += len(chunks[-1][3])
         drafting = chosen
+        self.drafting()
         if candidates and not drafting and self.draft_cost is not None:
             self.draft_cost.fade()  # so that drafting is tried again some time
         if not drafting and not chunks:
@@ -262,10 +274,11 @@ class DraftModel(Proposer, CacheOwner):
         self.staging.end()
         if len(logits_rows):
             tokens = self.sampler.to_host(self.sampler._argmax(self.model.compute_logits(hidden)))[0].tolist()
-        took = time.perf_counter() - start
-        self.seconds += took
-        if decode:
-            self.forward_seconds += took
+        if not decode:
+            took = time.perf_counter() - start
+            self.catch_up_seconds += took
+            if self.draft_cost is not None and len(ids) >= CATCH_UP_ROWS:
+                self.draft_cost.observe_catch_up(took / len(ids))
         return tokens, hidden
 
     # -- after the scheduler took the step's tokens ----------------------------------

@@ -115,6 +115,7 @@ class EagleProposer(DraftModel):
         waiting = [p for c, p in enumerate(pairs) if c not in chosen]
         if waiting:  # their pairs wait, with copies of their hidden states, until they draft
             self._keep(waiting, hidden)
+        self.drafting()
         if not chosen:
             return
         drafting = [pairs[c] for c in chosen]
