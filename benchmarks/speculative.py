@@ -22,7 +22,8 @@ that turns by one each round; the medians over rounds are compared.
 
 Methods: ngram, draft (the built-in draft model) and eagle (the built-in EAGLE head, which
 drafts from the target's hidden states), each adaptive (the default) and -fixed
-("adaptive": false: every draft verified). Targets (issue 17): at concurrency 1, TPOT at
+("adaptive": false: every draft verified); none-2, a second engine without drafts, shows
+how far two identical engines differ. Targets (issue 17): at concurrency 1, TPOT at
 least 1.8x better with n-gram on the rewrite set and 1.3x with a draft model on the
 completion set; adaptive speculation at least 0.97x the throughput of no speculation at
 every concurrency.
@@ -51,9 +52,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 DRAFT = {"method": "draft_model", "num_speculative_tokens": 4}
 # eagle: the built-in EAGLE head, drafting from the target's hidden states
 EAGLE = {"method": "eagle", "num_speculative_tokens": 4}
+# none-2: a second engine without speculation, the control: its ratio against "none" is what
+# two identical engines differ by here (on the 2-core development machine their medians over
+# 5-10 rounds were 0.96-1.05x apart: an engine instance's forwards keep a speed of their own)
 METHODS = {"ngram": NGRAM, "ngram-fixed": {**NGRAM, "adaptive": False},
            "draft": DRAFT, "draft-fixed": {**DRAFT, "adaptive": False},
-           "eagle": EAGLE, "eagle-fixed": {**EAGLE, "adaptive": False}}
+           "eagle": EAGLE, "eagle-fixed": {**EAGLE, "adaptive": False}, "none-2": None}
 OUTPUT_LEN = 128
 
 
@@ -118,7 +122,7 @@ def main() -> None:
             "rewrite": rewrite_prompts(val_files, most)}
     model = args.model
     if args.methods is None:
-        args.methods = [m for m in METHODS if model is None or m.startswith("ngram")]
+        args.methods = [m for m in METHODS if model is None or m.startswith(("ngram", "none"))]
     if model == "56m":
         import tempfile
 

@@ -275,6 +275,9 @@ def test_a_drafters_catch_up_is_paid_by_the_requests_first_draft():
     assert ks == [0] * 8 + [4] * 8
     # without the catch-up's cost every request looks the same
     assert choose_num_drafts([0.8] * 16, [4] * 16, 16, flat, head) == [4] * 16
+    # a request about to end has fewer steps to spread its catch-up over
+    assert choose_num_drafts([0.8], [4], 1, flat, head, behind=[late], remaining=[1000]) == [4]
+    assert choose_num_drafts([0.8], [4], 1, flat, head, behind=[late], remaining=[4]) == [0]
     # a likelier request far behind ranks below a less likely one that is not
     assert choose_num_drafts([0.9, 0.6], [1, 1], 2, StepCost([1, 2, 1024], [0.010, 0.0105, 0.5]), head,
                              behind=[500 * CATCH_UP_STEPS, 0]) == [0, 1]
@@ -291,6 +294,22 @@ def test_a_catch_up_token_is_learnt_from_the_engines_forwards():
     assert head.catch_up == pytest.approx(40e-6, rel=0.02)
     head.observe_catch_up(1.0)  # a stall: counted as 4x the estimate
     assert head.catch_up == pytest.approx(0.9 * 40e-6 + 0.1 * 160e-6, rel=0.02)
+
+
+def test_a_drafting_steps_host_work_is_learnt_and_charged_once_a_step():
+    """What a step that drafts adds besides the drafter's forwards is learnt from the steps
+    and charged once for any number of drafts: it turns a single draft's worth below its
+    cost, while four drafts of a likely request still pay."""
+    flat = StepCost([1, 1024], [0.010, 0.0101])
+    head = StepCost([1, 1024], [0.001, 0.002])
+    assert choose_num_drafts([0.3], [4], 1, flat, head) == [1]
+    for _ in range(60):
+        head.observe_fixed(0.003)
+    assert head.fixed == pytest.approx(0.003, rel=0.01)
+    assert choose_num_drafts([0.3], [4], 1, flat, head) == [0]
+    assert choose_num_drafts([0.9], [4], 1, flat, head) == [4]
+    head.observe_fixed(10.0)  # a stall: counted as 4x (a one-row forward plus the estimate)
+    assert head.fixed == pytest.approx(0.9 * 0.003 + 0.1 * 4 * 0.004, rel=0.01)
 
 
 def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():

@@ -44,6 +44,7 @@ class StepCost:
         self.robust = robust
         self.attention = 0.0  # seconds a query token adds per token of context it attends to
         self.catch_up = 0.0  # a drafter's seconds per token it computes to catch up (prompt-shaped)
+        self.fixed = 0.0  # what a step that drafts adds besides the drafter's forwards (learnt)
         # past the last measured point, its last slope: one more point far out (interpolation
         # is one numpy call, which matters for choosing drafts in every step)
         t, s = self.tokens, self.seconds
@@ -81,8 +82,16 @@ class StepCost:
         """A catch-up forward took `seconds` a token in the engine's step (a moving average;
         one forward counts for at most 4 times the estimate, as in `observe_curve`). At
         start-up the draft ran alone; in the step its weights are out of cache, and a
-        catch-up token cost 2x as much (35-43 us against 18 us, the built-in model's draft)."""
+        catch-up token cost 1-4x as much (25-85 us against 18-25 us for the built-in model's
+        draft and head on a 2-core CPU)."""
         self.catch_up = decay * self.catch_up + (1 - decay) * min(seconds, 4 * self.catch_up)
+
+    def observe_fixed(self, seconds: float, decay: float = 0.9) -> None:
+        """A step that drafted spent `seconds` on drafting besides the drafter's forwards: its
+        host work (a moving average; a stall counts for at most 4 times a forward of one row
+        plus the estimate)."""
+        seconds = min(max(0.0, seconds), 4 * (float(self.forward(1)) + self.fixed))
+        self.fixed = decay * self.fixed + (1 - decay) * seconds
 
     def fade(self, keep: float = 0.99) -> None:
         """A step that chose no drafts, so nothing to time: what made drafting slow (another
@@ -93,7 +102,8 @@ class StepCost:
     def __repr__(self) -> str:
         return ", ".join(f"{int(n)}: {1e3 * s:.2f} ms" for n, s in zip(self.tokens, self.seconds)) + \
             f"; attention {1e9 * self.attention:.1f} ns per context token" + \
-            (f"; catching up {1e6 * self.catch_up:.1f} us per token" if self.catch_up else "")
+            (f"; catching up {1e6 * self.catch_up:.1f} us per token" if self.catch_up else "") + \
+            (f"; {1e3 * self.fixed:.2f} ms a drafting step besides forwards" if self.fixed else "")
 
 
 @torch.inference_mode()
@@ -162,23 +172,27 @@ def acceptance(accepted: int, rejected: int, prior: float, weight: float = 2.0) 
 
 # a drafter's catch-up with a request (the tokens it has not computed: a prompt, or the
 # steps the request did not draft in) is counted against the request's first draft, spread
-# over this many steps: once caught up, the request drafts at the usual cost
+# over this many steps (fewer if the request ends sooner): once caught up, the request
+# drafts at the usual cost
 CATCH_UP_STEPS = 16
 
 
 def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, cost: StepCost,
                       draft: StepCost | None = None, contexts: list[int] | None = None,
-                      behind: list[int] | None = None) -> list[int]:
+                      behind: list[int] | None = None, remaining: list[int] | None = None) -> list[int]:
     """How many drafts each request verifies: `rates` are their acceptance probabilities,
     `limits` the drafts each has, `num_tokens` what the step computes without drafts (one
     token per request at least). The drafts, most likely first (request i's j-th is worth
     rates[i] ** j tokens), are kept up to the count that gives the most tokens per second.
     `draft`: the draft model's forward cost; its j-th forward makes every j-th draft, so
-    the drafts kept add those forwards' time too. `contexts`: each request's tokens, which
+    the drafts kept add those forwards' time too, and a step with any draft draft.fixed
+    (the drafting's host work besides its forwards). `contexts`: each request's tokens, which
     each of its drafts attends to in the target's forward (and the draft's). `behind`: the
     tokens the draft has to catch up with before drafting for each request; their cost
     (draft.catch_up each, over CATCH_UP_STEPS) goes with the request's first draft, which
-    ranks lower by what that time is worth in tokens (and its later drafts no higher)."""
+    ranks lower by what that time is worth in tokens (and its later drafts no higher).
+    `remaining`: the tokens each request may still produce; one that ends sooner than
+    CATCH_UP_STEPS steps at its rate spreads its catch-up over the steps it has left."""
     rates = np.asarray(rates, dtype=np.float64)
     limits = np.asarray(limits, dtype=np.int64)
     total = int(limits.sum())
@@ -191,8 +205,11 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     base = float(cost.forward(num_tokens)) + cost.overhead
     catch = np.zeros(total)
     if behind is not None and draft is not None and draft.catch_up > 0:
-        catch[first[limits > 0]] = (np.asarray(behind, dtype=np.float64)[limits > 0] * draft.catch_up
-                                    / CATCH_UP_STEPS)
+        spread = np.full(len(rates), float(CATCH_UP_STEPS))
+        if remaining is not None:  # steps left: its tokens over the tokens a step gives it with its drafts
+            per_step = 1 + np.bincount(owner, weights=gain, minlength=len(rates))
+            spread = np.clip(np.asarray(remaining, dtype=np.float64) / per_step, 1.0, CATCH_UP_STEPS)
+        catch[first[limits > 0]] = (np.asarray(behind, dtype=np.float64) * draft.catch_up / spread)[limits > 0]
     # the rank: a first draft's worth less its catch-up's time in tokens (at the step's rate
     # without drafts); a later draft ranks no higher than its request's first
     rank = gain - catch * len(rates) / base
@@ -210,5 +227,6 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
         rows[np.arange(1, total + 1), depth[order] - 1] = 1
         rows = np.cumsum(rows, axis=0)
         seconds = seconds + np.where(rows > 0, draft.forward(rows) + draft.overhead, 0.0).sum(axis=1)
+        seconds[1:] += draft.fixed  # once a step, if it drafts at all
     keep = int(np.argmax(expected / seconds))
     return np.bincount(owner[order[:keep]], minlength=len(rates)).tolist()

@@ -85,8 +85,9 @@ class DraftModel(Proposer, CacheOwner):
         self.rest_length = 0  # the last rest's steps (doubled each time drafts still do not pay)
         self.rest_batch = 0  # the candidates when the rest began
         # the last step's drafting: from the choice on, its forwards and their bookkeeping (the
-        # target's step cost leaves it out); of it, the forwards that were not decode-shaped
+        # target's step cost leaves it out); of it, the decode-shaped forwards and the others
         self.seconds = 0.0
+        self.forward_seconds = 0.0
         self.catch_up_seconds = 0.0
         self.drafting_since: float | None = None  # when the step's drafting began (see `drafting`)
         self.forwards: list[int] = []  # the tokens of each decode-shaped draft forward of the last step
@@ -120,7 +121,8 @@ class DraftModel(Proposer, CacheOwner):
             return [0] * len(requests)
         contexts, behind = inputs()
         rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for r in requests]
-        ks = choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind)
+        remaining = [r.max_tokens - r.num_output_tokens for r in requests]
+        ks = choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind, remaining)
         if any(ks):
             self.rest_length = self.resting = 0
         else:
@@ -144,19 +146,21 @@ class DraftModel(Proposer, CacheOwner):
         """Drafts for the step's sampling requests, from the tokens they have once `sampled`
         (per sampling request, in order: the accepted drafts and the target's next token).
         `hidden`: the target's hidden states of the step's tokens (what an EAGLE head reads)."""
-        self.forwards, self.seconds, self.catch_up_seconds, self.drafting_since = [], 0.0, 0.0, None
+        self.forwards, self.drafting_since = [], None
+        self.seconds = self.forward_seconds = self.catch_up_seconds = 0.0
         self._run(out, sampled, hidden)
         if self.drafting_since is not None:
             self.seconds = time.perf_counter() - self.drafting_since
         if self.draft_cost is not None and self.forwards:
             # the adaptive cost learns what a decode-shaped draft forward costs in the engine's
-            # step: the start-up timing ran the draft alone, its weights in cache. What drafting
-            # adds to the step besides its forwards (the tables, the drafts' lists: about 1 ms a
-            # drafting step at 4 requests on a 2-core CPU) goes with them; catch-ups have their
-            # own cost. What runs whether or not a request drafts (pairs, choosing) is the
-            # target step's overhead (the engine leaves out `seconds`)
+            # step (the start-up timing ran the draft alone, its weights in cache), and what a
+            # step that drafts adds besides its forwards: the forwards' tables, the drafts'
+            # lists (0.1-0.4 ms a step on a 2-core CPU). Catch-ups have their own cost.
+            # What runs whether or not a request drafts (pairs, choosing) is the target step's
+            # overhead (the engine leaves out `seconds`)
             curve = float(np.mean(self.draft_cost.forward(self.forwards)))
-            self.draft_cost.observe_curve(curve, (self.seconds - self.catch_up_seconds) / len(self.forwards))
+            self.draft_cost.observe_curve(curve, self.forward_seconds / len(self.forwards))
+            self.draft_cost.observe_fixed(self.seconds - self.forward_seconds - self.catch_up_seconds)
 
     def drafting(self) -> None:
         """Marks where the step's drafting begins in `_run`: once the drafts are chosen."""
@@ -274,8 +278,10 @@ class DraftModel(Proposer, CacheOwner):
         self.staging.end()
         if len(logits_rows):
             tokens = self.sampler.to_host(self.sampler._argmax(self.model.compute_logits(hidden)))[0].tolist()
-        if not decode:
-            took = time.perf_counter() - start
+        took = time.perf_counter() - start
+        if decode:
+            self.forward_seconds += took
+        else:
             self.catch_up_seconds += took
             if self.draft_cost is not None and len(ids) >= CATCH_UP_ROWS:
                 self.draft_cost.observe_catch_up(took / len(ids))
