@@ -246,8 +246,9 @@ class Engine:
                 self._forget(tracked)
         cost = self.proposer.cost if self.proposer is not None else None
         if cost is not None and sched.is_decode_only:  # what the step costs beyond its forwards
-            # the draft's forwards, whose cost it learns itself (its bookkeeping, which runs
-            # whether or not a request drafts, stays in the step's)
+            # the drafting, from the choice on (its forwards and their host work), whose cost
+            # the drafter learns itself (its bookkeeping before the choice, which runs whether
+            # or not a request drafts, stays in the step's)
             drafting = getattr(self.proposer, "seconds", 0.0)
             # nor is the drafts' attention overhead: choosing drafts counts it per draft (counted
             # here too, a step with drafts would raise every step's cost, and drafts would look

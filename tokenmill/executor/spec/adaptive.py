@@ -205,7 +205,7 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     base = float(cost.forward(num_tokens)) + cost.overhead
     catch = np.zeros(total)
     if behind is not None and draft is not None and draft.catch_up > 0:
-        spread = np.full(len(rates), float(CATCH_UP_STEPS))
+        spread = float(CATCH_UP_STEPS)
         if remaining is not None:  # steps left: its tokens over the tokens a step gives it with its drafts
             per_step = 1 + np.bincount(owner, weights=gain, minlength=len(rates))
             spread = np.clip(np.asarray(remaining, dtype=np.float64) / per_step, 1.0, CATCH_UP_STEPS)
