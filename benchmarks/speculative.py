@@ -23,10 +23,16 @@ that turns by one each round; the medians over rounds are compared.
 Methods: ngram, draft (the built-in draft model) and eagle (the built-in EAGLE head, which
 drafts from the target's hidden states), each adaptive (the default) and -fixed
 ("adaptive": false: every draft verified); none-2, a second engine without drafts, shows
-how far two identical engines differ. Targets (issue 17): at concurrency 1, TPOT at
-least 1.8x better with n-gram on the rewrite set and 1.3x with a draft model on the
-completion set; adaptive speculation at least 0.97x the throughput of no speculation at
-every concurrency.
+how far two identical engines differ. `--self-baseline`: each speculating engine also runs
+every round with its speculation switched off (its proposer and drafter set aside, so it
+steps as an engine built without them), right before or after its own run; those ratios
+compare one engine instance with itself. On the 2-core development machine an engine
+instance keeps a speed of its own: the same engine with speculation off ran 0.92-1.12x the
+"none" engine's medians over 10-12 rounds, from one invocation to the next.
+
+Targets (issue 17): at concurrency 1, TPOT at least 1.8x better with n-gram on the rewrite
+set and 1.3x with a draft model on the completion set; adaptive speculation at least 0.97x
+the throughput of no speculation at every concurrency.
 """
 
 from __future__ import annotations
@@ -72,7 +78,17 @@ def rewrite_prompts(files: list[tuple[str, str]], limit: int) -> list[str]:
     return found[::max(1, len(found) // limit)][:limit]
 
 
-def run(llm: LLM, prompts: list, tokenizer_limit: int = 384) -> dict:
+def run(llm: LLM, prompts: list, tokenizer_limit: int = 384, speculate: bool = True) -> dict:
+    """The prompts through `llm`, greedy; `speculate=False`: with its speculation switched off
+    for this run (the engine then steps as one built without it)."""
+    engine = llm.engine
+    if not speculate:
+        saved = engine.proposer, engine.runner.drafter
+        engine.proposer = engine.runner.drafter = None
+        try:
+            return run(llm, prompts, tokenizer_limit)
+        finally:
+            engine.proposer, engine.runner.drafter = saved
     params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
     inputs = [{"prompt_token_ids": llm.tokenizer.encode(p)[-tokenizer_limit:]} for p in prompts]
     before = llm.engine.stats()
@@ -107,6 +123,10 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None, help="the draft methods' checkpoint (default: the built-in "
                         "draft, the default draft for the built-in model)")
     parser.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the built-in one)")
+    parser.add_argument("--self-baseline", action="store_true",
+                        help="each speculating engine also runs every round with its speculation switched off; "
+                        "ratios against those runs too (one engine instance, so its own forward speed on both "
+                        "sides)")
     parser.add_argument("--output-json", default="bench_results/speculative.json")
     args = parser.parse_args()
     if args.draft_model:
@@ -139,9 +159,14 @@ def main() -> None:
                 run(llm, prompts[:2])  # warm-up
             results = {name: [] for name in llms}
             names = list(llms)
+            off = {name: [] for name in names if args.self_baseline and METHODS.get(name)}
             for r in range(args.rounds):  # the order turns each round: no method is always first
                 for name in names[r % len(names):] + names[:r % len(names)]:
+                    if name in off and r % 2:  # speculation off and on back to back, either first
+                        off[name].append(run(llms[name], prompts, speculate=False))
                     results[name].append(run(llms[name], prompts))
+                    if name in off and not r % 2:
+                        off[name].append(run(llms[name], prompts, speculate=False))
             base = results["none"]
             for name, runs in results.items():
                 # in float32 greedy outputs are those without drafts; in bfloat16 the logits of
@@ -157,17 +182,26 @@ def main() -> None:
                 row["tpot_speedup"] = statistics.median(b["tpot_ms"] / r["tpot_ms"] for r, b in zip(runs, base))
                 row["throughput_ratio"] = statistics.median(r["output_throughput"] / b["output_throughput"]
                                                             for r, b in zip(runs, base))
+                if name in off:  # against the same engine with its speculation off, round by round
+                    own = off[name]
+                    row["self_tpot_speedup"] = statistics.median(b["tpot_ms"] / r["tpot_ms"] for r, b in zip(runs, own))
+                    row["self_throughput_ratio"] = statistics.median(
+                        r["output_throughput"] / b["output_throughput"] for r, b in zip(runs, own))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del llms
     print(f"\n| set | concurrency | method | TPOT ms | tok/s | acceptance | mean accepted length | "
-          f"TPOT speed-up | throughput ratio | identical outputs |\n|---|---|---|---|---|---|---|---|---|---|")
+          f"TPOT speed-up | throughput ratio | identical outputs |"
+          + (" vs itself off: TPOT / throughput |" if args.self_baseline else "")
+          + "\n|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.self_baseline else ""))
     for r in rows:
         acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
         length = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         print(f"| {r['set']} | {r['concurrency']} | {r['method']} | {r['tpot_ms']:.2f} | "
               f"{r['output_throughput']:.0f} | {acc} | {length} | {r['tpot_speedup']:.2f}x | "
-              f"{r['throughput_ratio']:.2f}x | {100 * r['identical_outputs']:.0f}% |")
+              f"{r['throughput_ratio']:.2f}x | {100 * r['identical_outputs']:.0f}% |"
+              + (f" {r['self_tpot_speedup']:.2f}x / {r['self_throughput_ratio']:.2f}x |" if "self_throughput_ratio" in r
+                 else " - |" if args.self_baseline else ""))
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(rows, indent=2))
 

@@ -283,6 +283,18 @@ def test_a_drafters_catch_up_is_paid_by_the_requests_first_draft():
                              behind=[500 * CATCH_UP_STEPS, 0]) == [0, 1]
 
 
+def test_a_draft_models_first_forward_counts_each_requests_rows():
+    """A draft model's first forward in a step computes, for each request that drafts, its
+    last token before the step and the tokens the step gave it (2 + its accepted drafts).
+    Counted as one row a request, drafts that do not pay for those rows looked as if they
+    did; a request without drafts adds no rows."""
+    flat = StepCost([1, 1024], [0.010, 0.0101])
+    draft = StepCost([1, 4, 1024], [0.001, 0.001, 0.3])  # flat to 4 rows, then 0.29 ms a row
+    assert choose_num_drafts([0.2] * 4, [1] * 4, 4, flat, draft) == [1] * 4
+    assert choose_num_drafts([0.2] * 4, [1] * 4, 4, flat, draft, first_rows=[3] * 4) == [0] * 4
+    assert choose_num_drafts([0.2] * 4, [1, 0, 1, 1], 4, flat, draft, first_rows=[1, 9, 1, 1]) == [1, 0, 1, 1]
+
+
 def test_a_catch_up_token_is_learnt_from_the_engines_forwards():
     """The start-up timing of a catch-up token (the draft alone, its weights in cache) moves
     towards what catch-ups cost in the engine's steps; one stalled forward counts for at
@@ -329,7 +341,7 @@ def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
     def choose(step: int, batch: list) -> list[int]:
         def inputs():
             asked.append(step)
-            return [3] * len(batch), [0] * len(batch)
+            return [3] * len(batch), [0] * len(batch), [1] * len(batch)
         return DraftModel._choose(drafter, batch, [4] * len(batch), len(batch), inputs)
 
     for step in range(60):

@@ -106,11 +106,15 @@ class StepCost:
             (f"; {1e3 * self.fixed:.2f} ms a drafting step besides forwards" if self.fixed else "")
 
 
+TIMING_ROUNDS = 3  # rounds over the token counts when timing the forwards at start-up
+
+
 @torch.inference_mode()
 def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512,
                       robust: bool = False, catch_up: bool = False) -> StepCost:
     """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
-    n = 1, 2, 4, ... up to max_tokens, the fastest of `repeats`; then 16 of them again over
+    n = 1, 2, 4, ... up to max_tokens, the fastest of `repeats` and of TIMING_ROUNDS - 1
+    later rounds over all the counts in turn; then 16 of them again over
     `context` tokens each: what attention adds per context token. `catch_up` (a drafter):
     also one sequence of up to 256 tokens with logits at its last, as a drafter catches up
     with a request's tokens: its seconds per token. They run over the runner's own cache
@@ -127,14 +131,15 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     backend = runner.make_backend(runner.kv_cache)
     put = runner.staging.to_device
 
-    def forward(n: int, seq_len: int, query: int = 1, repeats: int = repeats) -> float:
+    def forward(n: int, seq_len: int, query: int = 1, repeats: int = repeats, warm_up: bool = True,
+                most: int = 6) -> float:
         query_lens = np.full(n, query, dtype=np.int32)
         block_table = np.arange(n * per_seq if seq_len > 1 else n, dtype=np.int32).reshape(n, -1)
         positions, slots = token_slots(query_lens, np.full(n, seq_len - query, dtype=np.int64), block_table, bs)
-        best, runs, spent = float("inf"), 0, 0.0
-        # the first is a warm-up; short forwards run up to 6 times (timing noise is larger
+        best, runs, spent = float("inf"), 0 if warm_up else 1, 0.0
+        # the first is a warm-up; short forwards run up to `most` times (timing noise is larger
         # against them, and a draft's worth is often decided by a fraction of a millisecond)
-        while runs <= repeats or (runs < 6 and spent < 0.05):
+        while runs <= repeats or (runs < most and spent < 0.05):
             runs += 1
             start = time.perf_counter()
             runner.staging.begin()
@@ -153,6 +158,13 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
         return best
 
     seconds = [forward(n, 1) for n in counts]
+    # the counts again, in turn: a moment's load on the machine (tens of ms on a shared
+    # 2-core VM) covered every run of one count when each count's runs came together, and
+    # a 2-token forward once timed at 4.27 ms against 2.46 ms for 1 token. The curve never
+    # falls, so the drafts of a request alone looked 1.8 ms dearer than they were, and that
+    # engine's EAGLE head never drafted again at concurrency 1
+    for _ in range(TIMING_ROUNDS - 1):
+        seconds = [min(s, forward(n, 1, repeats=1, warm_up=False, most=3)) for s, n in zip(seconds, counts)]
     cost = StepCost(counts, seconds, robust)
     # attention: the median of 5 differences, each of two forwards timed one after the
     # other (timed far apart, a moment's load on the machine made it 0.5x-1.5x)
@@ -179,7 +191,8 @@ CATCH_UP_STEPS = 16
 
 def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, cost: StepCost,
                       draft: StepCost | None = None, contexts: list[int] | None = None,
-                      behind: list[int] | None = None, remaining: list[int] | None = None) -> list[int]:
+                      behind: list[int] | None = None, remaining: list[int] | None = None,
+                      first_rows: list[int] | None = None) -> list[int]:
     """How many drafts each request verifies: `rates` are their acceptance probabilities,
     `limits` the drafts each has, `num_tokens` what the step computes without drafts (one
     token per request at least). The drafts, most likely first (request i's j-th is worth
@@ -192,7 +205,10 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     (draft.catch_up each, over CATCH_UP_STEPS) goes with the request's first draft, which
     ranks lower by what that time is worth in tokens (and its later drafts no higher).
     `remaining`: the tokens each request may still produce; one that ends sooner than
-    CATCH_UP_STEPS steps at its rate spreads its catch-up over the steps it has left."""
+    CATCH_UP_STEPS steps at its rate spreads its catch-up over the steps it has left.
+    `first_rows`: the rows each request has in the draft's first forward of a step it drafts
+    in, its catch-up aside (default 1). A draft model computes the request's last token
+    before the step and the tokens the step gave it: 2 + its accepted drafts."""
     rates = np.asarray(rates, dtype=np.float64)
     limits = np.asarray(limits, dtype=np.int64)
     total = int(limits.sum())
@@ -223,8 +239,11 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
         attention = per_token * np.asarray(contexts, dtype=np.float64)[owner[order]]
         seconds = seconds + np.concatenate(([0.0], np.cumsum(attention)))
     if draft is not None:  # rows of the draft's j-th forward among the first m drafts kept
+        weight = np.ones(total)  # a draft's rows in its forward: its first's first_rows
+        if first_rows is not None:
+            weight[first[limits > 0]] = np.asarray(first_rows, dtype=np.float64)[limits > 0]
         rows = np.zeros((total + 1, int(limits.max())))
-        rows[np.arange(1, total + 1), depth[order] - 1] = 1
+        rows[np.arange(1, total + 1), depth[order] - 1] = weight[order]
         rows = np.cumsum(rows, axis=0)
         seconds = seconds + np.where(rows > 0, draft.forward(rows) + draft.overhead, 0.0).sum(axis=1)
         seconds[1:] += draft.fixed  # once a step, if it drafts at all

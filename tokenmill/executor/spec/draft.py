@@ -104,9 +104,10 @@ class DraftModel(Proposer, CacheOwner):
         return self.cost is not None and self.evidence >= EXPLORE_EVIDENCE
 
     def _choose(self, requests: list[Request], limits: list[int], num_tokens: int,
-                inputs: Callable[[], tuple[list[int], list[int]]]) -> list[int]:
+                inputs: Callable[[], tuple[list[int], list[int], list[int]]]) -> list[int]:
         """The drafts each candidate request makes this step (choose_num_drafts' arguments;
-        `inputs()` gives its contexts and behind); while exploring, all it has room for.
+        `inputs()` gives its contexts, behind and first_rows); while exploring, all it has
+        room for.
         When no draft pays, the next steps get none without asking: 1 step, then 2, 4, ... up
         to MAX_REST while the answer stays no. On this 2-core CPU the choice costs 0.1-0.5 ms
         of numpy and Python a step, 1.5-4% of a step at 16-64 requests, and while drafts do
@@ -119,10 +120,11 @@ class DraftModel(Proposer, CacheOwner):
         if self.resting > 0 and 2 * len(requests) > self.rest_batch:
             self.resting -= 1
             return [0] * len(requests)
-        contexts, behind = inputs()
+        contexts, behind, first_rows = inputs()
         rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for r in requests]
         remaining = [r.max_tokens - r.num_output_tokens for r in requests]
-        ks = choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind, remaining)
+        ks = choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind, remaining,
+                               first_rows)
         if any(ks):
             self.rest_length = self.resting = 0
         else:
@@ -184,8 +186,11 @@ class DraftModel(Proposer, CacheOwner):
                 drafting.append((i, request, start, new, room))
         # the tokens the draft has not computed before this step's (the prompt, steps without drafts)
         behind = [len(d[1].all_token_ids) - d[2] - 1 for d in drafting]
+        # forward 1 computes for a request its tokens since `start`: those behind, then its last
+        # token before the step and the step's (new), every step it drafts
         ks = self._choose([d[1] for d in drafting], [d[4] for d in drafting], len(out.requests),
-                          lambda: ([len(r.all_token_ids) + len(new) for _, r, _, new, _ in drafting], behind))
+                          lambda: ([len(r.all_token_ids) + len(new) for _, r, _, new, _ in drafting], behind,
+                                   [1 + len(new) for _, _, _, new, _ in drafting]))
         candidates = len(drafting)
         # a forward computes at most max_rows tokens: the requests that fit draft; then the
         # catch-ups that did not fit get what room is left (a chunk each, no drafts this step)

@@ -102,11 +102,19 @@ class EagleProposer(DraftModel):
         if not pairs:
             return
         behind = [self._behind(pairs[c][1].request_id, pairs[c][3]) for c, _ in candidates]
-        # the catch-up a request's first draft pays for: the pairs forward 1 runs for it besides
-        # its last, this step's included (after a prompt's last chunk, the whole prompt)
+        most = 1 + self.config.num_speculative_tokens
+
+        def inputs() -> tuple[list[int], list[int], list[int]]:
+            """Forward 1 computes a request's waiting pairs and this step's. A decode step's
+            (its accepted drafts and the next token) are rows it has every step it drafts;
+            the others are a catch-up (after a prompt's last chunk, the whole prompt)."""
+            steps = [len(pairs[c][4]) for c, _ in candidates]
+            return ([pairs[c][3] + n + 1 for (c, _), n in zip(candidates, steps)],
+                    [late + (n - 1 if n > most else 0) for late, n in zip(behind, steps)],
+                    [n if n <= most else 1 for n in steps])
+
         ks = self._choose([pairs[c][1] for c, _ in candidates], [room for _, room in candidates], len(out.requests),
-                          lambda: ([pairs[c][3] + len(pairs[c][4]) + 1 for c, _ in candidates],
-                                   [late + len(pairs[c][4]) - 1 for (c, _), late in zip(candidates, behind)]))
+                          inputs)
         chosen, rows = {}, 0  # forward 1 computes at most max_rows pairs (the first request's all);
         for (c, _), k, late in zip(candidates, ks, behind):  # the others' pairs wait
             fits = not chosen or rows + late + len(pairs[c][4]) <= self.max_rows
