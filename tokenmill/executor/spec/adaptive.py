@@ -216,6 +216,7 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
         return [0] * len(rates)
     owner = np.repeat(np.arange(len(rates)), limits)
     first = np.cumsum(limits) - limits  # each request's first draft
+    some = limits > 0  # the requests with a draft (`first` is theirs)
     depth = np.arange(total) - np.repeat(first, limits) + 1  # j = 1..limit
     gain = rates[owner] ** depth
     base = float(cost.forward(num_tokens)) + cost.overhead
@@ -225,7 +226,7 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
         if remaining is not None:  # steps left: its tokens over the tokens a step gives it with its drafts
             per_step = 1 + np.bincount(owner, weights=gain, minlength=len(rates))
             spread = np.clip(np.asarray(remaining, dtype=np.float64) / per_step, 1.0, CATCH_UP_STEPS)
-        catch[first[limits > 0]] = (np.asarray(behind, dtype=np.float64) * draft.catch_up / spread)[limits > 0]
+        catch[first[some]] = (np.asarray(behind, dtype=np.float64) * draft.catch_up / spread)[some]
     # the rank: a first draft's worth less its catch-up's time in tokens (at the step's rate
     # without drafts); a later draft ranks no higher than its request's first
     rank = gain - catch * len(rates) / base
@@ -241,7 +242,7 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     if draft is not None:  # rows of the draft's j-th forward among the first m drafts kept
         weight = np.ones(total)  # a draft's rows in its forward: its first's first_rows
         if first_rows is not None:
-            weight[first[limits > 0]] = np.asarray(first_rows, dtype=np.float64)[limits > 0]
+            weight[first[some]] = np.asarray(first_rows, dtype=np.float64)[some]
         rows = np.zeros((total + 1, int(limits.max())))
         rows[np.arange(1, total + 1), depth[order] - 1] = weight[order]
         rows = np.cumsum(rows, axis=0)

@@ -102,12 +102,12 @@ class EagleProposer(DraftModel):
         if not pairs:
             return
         behind = [self._behind(pairs[c][1].request_id, pairs[c][3]) for c, _ in candidates]
-        most = 1 + self.config.num_speculative_tokens
 
         def inputs() -> tuple[list[int], list[int], list[int]]:
             """Forward 1 computes a request's waiting pairs and this step's. A decode step's
             (its accepted drafts and the next token) are rows it has every step it drafts;
             the others are a catch-up (after a prompt's last chunk, the whole prompt)."""
+            most = 1 + self.config.num_speculative_tokens
             steps = [len(pairs[c][4]) for c, _ in candidates]
             return ([pairs[c][3] + n + 1 for (c, _), n in zip(candidates, steps)],
                     [late + (n - 1 if n > most else 0) for late, n in zip(behind, steps)],
