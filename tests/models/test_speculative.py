@@ -200,3 +200,39 @@ def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
     slow = [b - a for a, b in zip(before, by_k())]
     assert slow[0] >= 0.9 * sum(slow), slow  # almost every step without drafts
     drafter.model.forward = forward
+
+
+def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, monkeypatch):
+    """When no draft pays, adaptive speculation rests for 1, 2, 4, ... steps, and in a resting
+    step the draft does nothing at all: its requests fall behind and catch up when they next
+    draft. The target as its own draft, with drafts said to pay at every third choice: the
+    outputs are those without drafts, and every draft made is accepted (float32), which holds
+    only if each catch-up covers every token of the rest before it."""
+    import tokenmill.executor.spec.draft as draft_module
+
+    calls = []
+
+    def every_third(rates, limits, *args, **kwargs):
+        calls.append(len(rates))
+        return list(limits) if len(calls) % 3 == 0 else [0] * len(rates)
+
+    monkeypatch.setattr(draft_module, "choose_num_drafts", every_third)
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={
+        "method": "draft_model", "model": str(DEFAULT_MODEL_DIR), "num_speculative_tokens": 3})
+    drafter = llm.engine.runner.drafter
+    params = [SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    choices_before_resting = []
+    skip = drafter._run
+
+    def counted(out, sampled, hidden):
+        if drafter.resting > 0 and sampled:
+            choices_before_resting.append(len(calls))
+        return skip(out, sampled, hidden)
+
+    monkeypatch.setattr(drafter, "_run", counted)
+    assert completions(run(llm, params)) == completions(run(engines[0], params))
+    stats = llm.engine.stats()
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert accepted >= 0.97 * drafted > 0
+    assert len(calls) > 6 and len(choices_before_resting) > 6  # it chose, and it rested
+    assert len(set(choices_before_resting)) < len(choices_before_resting)  # rests of more than a step
