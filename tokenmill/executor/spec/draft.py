@@ -311,7 +311,11 @@ class DraftModel(Proposer, CacheOwner):
             if can_speculate(request) is not None:
                 self.num_unspeculated_steps += 1
                 continue
-            drafts = self.drafts.pop(request.request_id, [])[:max(0, self.room(request))]
+            drafts = self.drafts.pop(request.request_id, None)
+            if drafts:
+                drafts = drafts[:max(0, self.room(request))]
+            else:  # (most requests in a step without drafts: no room to look at)
+                drafts = []
             request.spec_token_ids = drafts
             self.num_steps_by_k[len(drafts)] += 1
             self.fade(request, len(drafts))
