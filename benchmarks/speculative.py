@@ -29,6 +29,9 @@ steps as an engine built without them), right before or after its own run; those
 compare one engine instance with itself. On the 2-core development machine an engine
 instance keeps a speed of its own: the same engine with speculation off ran 0.92-1.12x the
 "none" engine's medians over 10-12 rounds, from one invocation to the next.
+`--no-drafts` (with --self-baseline): adaptive speculation's choice always answers no drafts,
+so its rests and bookkeeping are all the speculating engines add: what speculation costs
+where it does not pay.
 
 Targets (issue 17): at concurrency 1, TPOT at least 1.8x better with n-gram on the rewrite
 set and 1.3x with a draft model on the completion set; adaptive speculation at least 0.97x
@@ -127,8 +130,18 @@ def main() -> None:
                         help="each speculating engine also runs every round with its speculation switched off; "
                         "ratios against those runs too (one engine instance, so its own forward speed on both "
                         "sides)")
+    parser.add_argument("--no-drafts", action="store_true",
+                        help="adaptive speculation's choice always gives no drafts (a draft model or head still "
+                        "verifies its first 32, to learn its rate): the cost of speculation that does not pay")
     parser.add_argument("--output-json", default="bench_results/speculative.json")
     args = parser.parse_args()
+    if args.no_drafts:
+        from tokenmill.executor.spec import draft, ngram
+
+        def no_drafts(rates, *_, **__):
+            return [0] * len(rates)
+
+        draft.choose_num_drafts = ngram.choose_num_drafts = no_drafts
     if args.draft_model:
         for name in ("draft", "draft-fixed"):
             METHODS[name] = {**METHODS[name], "model": args.draft_model}
