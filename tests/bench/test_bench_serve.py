@@ -29,8 +29,12 @@ def test_known_timing(known_server, tmp_path, concurrency, endpoint):
     # work on the machine). So the client may measure more than the server's delays there, never
     # less. One stream measured up to 53.5 ms (chat, in CI).
     late = 6 if concurrency == 1 else 30
-    assert 50 - 3 <= r["mean_ttft_ms"] <= 50 + late
-    assert 50 - 3 <= r["p99_ttft_ms"] <= 50 + 2.5 * late
+    # every request but the slowest within the bounds: one stall of the busy machine may fall on
+    # any one (the suite's first request in a fresh-clone CI run took 80 ms at concurrency 1)
+    ttfts = sorted(1e3 * (x["chunk_times"][0] - x["start"]) for x in r["requests"])
+    assert r["mean_ttft_ms"] == pytest.approx(sum(ttfts) / n, abs=0.01)
+    assert 50 - 3 <= r["median_ttft_ms"] <= 50 + late and 50 - 3 <= r["p99_ttft_ms"]
+    assert ttfts[0] >= 50 - 3 and ttfts[-2] <= 50 + 2.5 * late
     assert r["mean_tpot_ms"] == pytest.approx(10, abs=1) and r["median_itl_ms"] == pytest.approx(10, abs=2)
     assert 250 - 5 <= r["mean_e2el_ms"] <= 250 + late + 5  # 50 + 20 x 10
     assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
