@@ -86,7 +86,7 @@ class EagleProposer(DraftModel):
         candidates: list[tuple[int, int]] = []  # (in `pairs`, room)
         # a resting step (see DraftModel._choose) keeps every pair and asks nothing: its sampling
         # requests stand for the candidates, whose rooms and waiting pairs are not looked at
-        resting = self.resting > 0 and 2 * len(sampled) > self.rest_batch
+        resting = self._rests(len(sampled))
         row, next_sample = 0, iter(sampled)
         # one pass over the step's lists (this runs in every step, drafting or not: at 64
         # requests each Python call here costs a few percent of a millisecond)
@@ -108,13 +108,12 @@ class EagleProposer(DraftModel):
             if new is not None and why is None and not resting and (room := self.room(request, len(new))) > 0:
                 candidates.append((len(pairs) - 1, room))
         if resting:
-            self.resting -= 1
             self.draft_cost.fade()
-        if not pairs:
+            if pairs:
+                self._keep(pairs, hidden)
+                self.drafting()
             return
-        if resting:
-            self._keep(pairs, hidden)
-            self.drafting()
+        if not pairs:
             return
         behind = [self._behind(pairs[c][1].request_id, pairs[c][3]) for c, _ in candidates]
 
