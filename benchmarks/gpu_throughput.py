@@ -2,6 +2,10 @@
 
     python benchmarks/gpu_throughput.py [--output-dir gpu_results] [--budget-s 520] [--smoke]
 
+The device machine's image lacks compressed-tensors (the FP8 checkpoint test needs it):
+`scripts/gpu_wheels.sh` here fetches its wheels into .whl/; carry .whl and install them
+there first (the script's header gives the command).
+
 Sections, in the order they run (--only picks some):
 tests        pytest tests/gpu tests/kernels on the device: bf16 and float32 parity with HF
              transformers, CUDA graphs equal eager, Triton equal the torch backend on the
@@ -20,7 +24,8 @@ fp8_quality  benchmarks/quant_quality.py --schemes fp8: the built-in model's per
 steps        decode step time at batch 1, 64 and 256 (contexts of 512 tokens) against the
              memory roofline: weights plus KV bytes read per step over the copy bandwidth
              measured in this run, each step synced alone and steps in a row (where async
-             scheduling overlaps them); graphs vs eager at batch 1; GPU idle time between steps.
+             scheduling overlaps them); graphs vs eager at batch 1; the Triton layer kernels
+             (norms, rotary, activation) against torch ops; GPU idle time between steps.
 profile      the same decode steps under the torch profiler (kernel time against wall time,
              the top kernels) and cProfile (the host's Python, to host_profile.txt).
 hf           HF transformers `generate` in static batches against tokenmill on the same
@@ -39,6 +44,7 @@ Details go to --output-dir (results.json, tests.log); the table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -55,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from tokenmill import LLM  # noqa: E402
+from tokenmill.executor import model_runner  # noqa: E402
 from tokenmill.bench.hf_baseline import hf_continuous, hf_model, hf_static_throughput  # noqa: E402
 from tokenmill.bench.offline import copy_tokenizer, run_throughput  # noqa: E402
 from tokenmill.bench.steps import copy_bandwidth, decode_step_time, profile_decode_steps, profile_host  # noqa: E402
@@ -204,19 +211,22 @@ class Bench:
         bandwidth = copy_bandwidth() if self.cuda else float("nan")
         self.results["copy_bandwidth_gbs"] = bandwidth / 1e9
         steps = {}
-        for graphs in (True, False):
-            llm = self.engine(self.shape, enforce_eager=not graphs)
+        # graphs: as served; eager: enforce_eager (batch 1); torch_ops: graphs, with the layers'
+        # norms, rotary and activation in torch ops instead of the Triton layer kernels
+        for variant in ("graphs", "eager", "torch_ops"):
+            with torch_layer_ops(variant == "torch_ops"):
+                llm = self.engine(self.shape, enforce_eager=variant == "eager")
             for batch in self.args.step_batches:
-                if not graphs and batch != 1:
+                if variant == "eager" and batch != 1:
                     continue
-                steps[(graphs, batch)] = decode_step_time(llm, batch, self.args.step_context)
+                steps[(variant, batch)] = decode_step_time(llm, batch, self.args.step_context)
             weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
             kv_per_token = llm.engine.model_config.kv_bytes_per_token(llm.engine.runner.kv_cache_dtype)
             del llm
             free_gpu()
         detail = {}
         for batch in self.args.step_batches:
-            t, idle, pipelined = steps[(True, batch)]
+            t, idle, pipelined = steps[("graphs", batch)]
             bytes_read = weights + batch * self.args.step_context * kv_per_token
             # the copy moved `bandwidth` bytes per second, read and written together: the rate
             # at which the memory serves bytes, so a step that reads bytes_read takes at least this
@@ -231,8 +241,13 @@ class Bench:
             self.rows.append(("  steps in a row (async scheduling overlaps them)",
                               f"{pipelined * 1e3:.2f} ms = {pipelined / roofline:.2f}x roofline",
                               "<= 1.5x at 64, 256"))
-        eager_t = steps[(False, 1)][0]
-        graph_t = steps[(True, 1)][0]
+            torch_t, _, torch_pipelined = steps[("torch_ops", batch)]
+            detail[batch].update(torch_ops_step_ms=torch_t * 1e3, torch_ops_pipelined_ms=torch_pipelined * 1e3)
+            self.rows.append(("  Triton layer kernels vs torch ops: synced / in a row",
+                              f"{torch_t / t:.2f}x / {torch_pipelined / pipelined:.2f}x "
+                              f"({torch_t * 1e3:.2f} / {torch_pipelined * 1e3:.2f} ms with torch ops)", ""))
+        eager_t = steps[("eager", 1)][0]
+        graph_t = steps[("graphs", 1)][0]
         detail["graphs_vs_eager_batch1"] = eager_t / graph_t
         self.results["decode_steps"] = detail
         self.rows.append(("CUDA graphs vs eager, decode step at batch 1", f"{eager_t / graph_t:.2f}x", ">= 1.5x"))
@@ -305,6 +320,18 @@ def checkpoint(root: Path, shape: dict) -> Path:
     (path / "config.json").write_text(json.dumps({**shape, "torch_dtype": "bfloat16"}))
     copy_tokenizer(path)
     return path
+
+
+@contextlib.contextmanager
+def torch_layer_ops(on: bool):
+    """Engines built inside run their layers' norms, rotary and activation in torch ops."""
+    original = model_runner.select_layer_kernels
+    if on:
+        model_runner.select_layer_kernels = lambda attention_backend, cpu_kernels: cpu_kernels
+    try:
+        yield
+    finally:
+        model_runner.select_layer_kernels = original
 
 
 def free_gpu() -> None:

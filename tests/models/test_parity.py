@@ -149,7 +149,8 @@ def test_triton_backend_matches_transformers(name, engine_args, checkpoints, hf_
     """The Triton kernels, under the interpreter on a machine without a GPU, in the whole engine."""
     pytest.importorskip("tokenmill.executor.attention.triton", reason="Triton is not installed")
     llm, ours = generate(checkpoints(name), attention_backend="triton", **engine_args)
-    assert llm.engine.runner.attn.name == "triton"
+    runner = llm.engine.runner
+    assert runner.attn.name == "triton" and runner.model.norm.kernels.__name__.endswith(".triton_ops")
     assert [o.outputs[0].token_ids for o in ours] == [t for t, _ in hf_reference(name)]
     if "kv_cache_memory" not in engine_args:
         return  # the interpreter is slow: one case goes on to preemption and prefix hits

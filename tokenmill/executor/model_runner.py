@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from itertools import chain
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -58,6 +59,16 @@ class LaunchedStep(NamedTuple):
     sampled: list[list[tuple[int, TokenLogprobs | None]]] | None
     pending: SampledTokens | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
+
+
+def select_layer_kernels(attention_backend: str, cpu_kernels: ModuleType | None) -> ModuleType | None:
+    """The layers' norms, rotary embedding and activation: Triton's beside Triton attention
+    (one launch each where torch runs a chain of ops), else the native CPU kernels where
+    they are loaded, else None (torch ops)."""
+    if attention_backend == "triton":
+        from tokenmill.executor.layers import triton_ops
+        return triton_ops
+    return cpu_kernels
 
 
 class ModelRunner(CacheOwner):
@@ -104,6 +115,7 @@ class ModelRunner(CacheOwner):
                                                     config.block_size, config.kv_cache_dtype)
         self.kv_cache_dtype = cache_dtype(config.kv_cache_dtype, dtype)
         kernels = load_cpu_kernels() if device.type == "cpu" else None
+        layer_kernels = select_layer_kernels(self.backend_cls.name, kernels)
         # what torch holds already in this process (another engine, a reference model): not ours
         self.memory_baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
@@ -113,7 +125,7 @@ class ModelRunner(CacheOwner):
                              f"{self.quant.name})")
         self.model = load_model(model_path, model_config, config.load_format, dtype, device,
                                 max_position=max(max_model_len, model_config.max_position_embeddings),
-                                seed=config.seed, kernels=kernels, quant=self.quant, tp=tp)
+                                seed=config.seed, kernels=layer_kernels, quant=self.quant, tp=tp)
         self.load_time = time.perf_counter() - t0
         self.staging = Staging(device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed), device, kernels)
@@ -131,7 +143,8 @@ class ModelRunner(CacheOwner):
         if spec is not None and spec.adaptive:  # what a step costs by its tokens, for choosing drafts
             self.step_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024))
             logger.info("adaptive speculation: step time by tokens %s", self.step_cost)
-        self.drafter = DRAFTERS[spec.method](self, spec, *draft, self.num_blocks, max_num_batched_tokens, kernels) \
+        self.drafter = DRAFTERS[spec.method](self, spec, *draft, self.num_blocks, max_num_batched_tokens,
+                                             layer_kernels) \
             if draft else None
         # async scheduling (engine.py): the last step's sampled ids on the device, and each
         # sampling request's row in them

@@ -10,23 +10,24 @@ from torch.nn import functional as F
 
 
 class RMSNorm(nn.Module):
-    """`kernels`: the native CPU kernels when the model is built for the CPU; the choice
-    between them and torch ops is made here, once, not on every call."""
+    """`kernels`: the native CPU kernels, or the Triton layer kernels beside Triton attention
+    (executor/layers/triton_ops.py), when the model is built; the choice between them and
+    torch ops is made here, once, not on every call."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, kernels: ModuleType | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.kernels = kernels
-        self.impl = self.forward_cpu if kernels is not None else self.forward_native
+        self.impl = self.forward_kernels if kernels is not None else self.forward_native
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.impl(x, residual)
 
-    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None
+    def forward_kernels(self, x: torch.Tensor, residual: torch.Tensor | None
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # one pass: residual += x in place, then the norm of the sum; [T, heads, d]
+        # one launch: residual += x in place, then the norm of the sum; [T, heads, d]
         # (q/k norm) is flattened to rows, copied when the heads are a strided view
         out = self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), residual, self.weight, self.eps).view(x.shape)
         return out if residual is None else (out, residual)

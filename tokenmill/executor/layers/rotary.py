@@ -15,7 +15,7 @@ class Rope(NamedTuple):
     cos_sin: torch.Tensor  # float32 [max_position, head_dim]
     cos: torch.Tensor | None  # [T, 1, head_dim] in the model dtype, torch path only
     sin: torch.Tensor | None
-    kernels: ModuleType | None  # the native CPU kernels, which rotate in place
+    kernels: ModuleType | None  # the CPU or Triton layer kernels, which rotate in place
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -38,8 +38,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin are precomputed once for every position up to max_position. With the native
-    CPU kernels (chosen when the model is built) q and k are rotated in place."""
+    """cos/sin are precomputed once for every position up to max_position. With kernels (the
+    native CPU ones or Triton's, chosen when the model is built) q and k are rotated in place."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, kernels: ModuleType | None = None) -> None:
@@ -62,7 +62,7 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; the CPU kernel rotates in place."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; a kernel rotates in place."""
         if rope.kernels is not None:
             rope.kernels.rotary(q, rope.positions, rope.cos_sin)
             rope.kernels.rotary(k, rope.positions, rope.cos_sin)

@@ -120,8 +120,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`kernels`: the native CPU kernels when built for the CPU (None: torch ops, as on CUDA);
-    every layer picks its implementation once, here. `quant`: the linear layers'
+    """`kernels`: the native CPU kernels when built for the CPU, the Triton layer kernels beside
+    Triton attention, or None (torch ops); every layer picks its implementation once, here. `quant`: the linear layers'
     quantization (the LM head and embeddings stay unquantized). `tp`: this rank's place in a
     tensor-parallel group (executor/distributed), which builds its part of each layer."""
 

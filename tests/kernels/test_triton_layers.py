@@ -1,0 +1,97 @@
+"""The Triton layer kernels (rms_norm, rotary, silu_and_mul) against float64 references.
+
+Without a GPU they run under Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1). Outputs start as NaN (torch.empty is poisoned), and rows or heads
+outside what a kernel may touch keep their sentinel, so a missed or stray write shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ops = pytest.importorskip("tokenmill.executor.layers.triton_ops",
+                          reason="Triton is not installed (x86-64 Linux test dependency)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+ULP = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}  # relative, at most
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+
+
+def close(out, ref, dtype):
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 64), (37, 96), (130, 1024), (5, 80)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm(poisoned_outputs, dtype, rows, dim, with_residual):
+    g = torch.Generator().manual_seed(rows * dim)
+    # x is a strided view (rows of a wider tensor), as the q/k norms and the fused outputs are
+    wide = torch.randn(rows, dim + 24, generator=g).to(dtype).to(DEVICE)
+    x = wide[:, 8:8 + dim]
+    weight = (1 + 0.1 * torch.randn(dim, generator=g)).to(dtype).to(DEVICE)
+    residual = torch.randn(rows, dim, generator=g).to(dtype).to(DEVICE) if with_residual else None
+    before = wide.clone()
+    total = None
+    if residual is not None:
+        total = (x.double() + residual.double()).to(dtype)  # the stream is kept in the model dtype
+        source = total.double()
+    else:
+        source = x.double()
+    ref = source * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    out = ops.rms_norm(x, residual, weight, 1e-6)
+    close(out, ref, dtype)
+    if residual is not None:
+        # the sum rounded once to the model dtype (the interpreter may round it the other way)
+        torch.testing.assert_close(residual, total, atol=0, rtol=ULP[dtype])
+    assert torch.equal(wide, before)  # x is read only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 4, 64), (9, 2, 128), (17, 3, 80), (4, 16, 256)])
+def test_rotary_in_place_on_a_strided_view(dtype, tokens, heads, head_dim):
+    g = torch.Generator().manual_seed(tokens * heads * head_dim)
+    width = heads * head_dim
+    # q as a view of the fused qkv projection: its tokens a wider stride apart
+    qkv = torch.randn(tokens, 3 * width, generator=g).to(dtype).to(DEVICE)
+    before = qkv.clone()
+    x = qkv[:, :width].view(tokens, heads, head_dim)
+    positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
+    half = head_dim // 2
+    freqs = torch.outer(torch.arange(512, dtype=torch.float64), 1.0 / 10000 ** (torch.arange(half) * 2 / head_dim))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos, sin = cos_sin[positions.cpu(), :half].to(DEVICE), cos_sin[positions.cpu(), half:].to(DEVICE)
+    x1, x2 = x.double()[..., :half], x.double()[..., half:]
+    ref = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
+    ops.rotary(x, positions, cos_sin.float().to(DEVICE))
+    close(x, ref, dtype)
+    assert torch.equal(qkv[:, width:], before[:, width:])  # k and v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 64), (23, 1408), (3, 2500)])
+def test_silu_and_mul(poisoned_outputs, dtype, rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    gate_up = (3 * torch.randn(rows, 2 * dim, generator=g)).to(dtype).to(DEVICE)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = gate * torch.sigmoid(gate) * up
+    close(ops.silu_and_mul(gate_up), ref, dtype)
+
+
+def test_bad_inputs_name_the_argument():
+    x = torch.randn(4, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="rms_norm: x must be"):
+        ops.rms_norm(x, None, torch.ones(16, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="rotary: cos_sin"):
+        ops.rotary(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.ones(10, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        ops.silu_and_mul(torch.randn(4, 7, device=DEVICE))
