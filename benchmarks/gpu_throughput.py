@@ -16,7 +16,10 @@ qwen3        the shape of Qwen3-0.6B's config (hidden 1024, 28 layers, 16 heads,
              load_format=dummy, bfloat16; 256 requests, prompt and output lengths uniform in
              100..1024 random tokens, ignore_eos (nano-vllm's bench.py workload); tokenmill with
              CUDA graphs (async scheduling, the default), graphs without async scheduling, and
-             enforce_eager.
+             enforce_eager. Each run's time per step is split (bench/steps.py StepTimeline):
+             the device's time per step (events around each launch), the host's launches,
+             its waits for sampled ids, and the rest of the host's work, so a run that is
+             device-bound, host-bound or serialized shows which.
 fp8          the qwen3 run with quantization="fp8" (W8A8 through torch._scaled_mm) against bf16,
              both with CUDA graphs.
 fp8_quality  benchmarks/quant_quality.py --schemes fp8: the built-in model's perplexity, greedy
@@ -64,7 +67,8 @@ from tokenmill import LLM  # noqa: E402
 from tokenmill.executor import model_runner  # noqa: E402
 from tokenmill.bench.hf_baseline import hf_continuous, hf_model, hf_static_throughput  # noqa: E402
 from tokenmill.bench.offline import copy_tokenizer, run_throughput  # noqa: E402
-from tokenmill.bench.steps import copy_bandwidth, decode_step_time, profile_decode_steps, profile_host  # noqa: E402
+from tokenmill.bench.steps import (StepTimeline, copy_bandwidth, decode_step_time, profile_decode_steps,  # noqa: E402
+                                   profile_host)
 from tokenmill.bench.workloads import random_requests  # noqa: E402
 
 QWEN3_06B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
@@ -138,7 +142,9 @@ class Bench:
         runner = llm.engine.runner
         requests = self.workload()
         run_throughput(llm, requests[:16], use_tqdm=False)  # warm-up: Triton compiles
-        result = run_throughput(llm, requests, use_tqdm=False).to_dict()
+        with StepTimeline(llm) as timeline:
+            result = run_throughput(llm, requests, use_tqdm=False).to_dict()
+        result["timeline"] = timeline.summary(result["elapsed_s"])
         result["kv_cache_tokens"] = llm.engine.kv_capacity_tokens
         result["memory_profile"] = getattr(runner, "profile", None)
         if runner.graphs is not None:
@@ -149,10 +155,17 @@ class Bench:
         free_gpu()
         return result
 
+    def timeline_row(self, label: str, result: dict) -> None:
+        t = result["timeline"]
+        self.rows.append((f"  {label} per step: run / device / launch / wait / other host",
+                          f"{t['step_ms']:.2f} / {t['device_ms']:.2f} / {t['launch_ms']:.2f} / {t['finish_ms']:.2f} / "
+                          f"{t['other_host_ms']:.2f} ms", ""))
+
     def qwen3(self) -> None:
         graphs = self.throughput("tokenmill_graphs", self.shape)
         self.rows.append(("tokenmill, CUDA graphs: output tok/s", f"{graphs['output_throughput']:,.0f}",
                           ">= 12,000 (H100)"))
+        self.timeline_row("async", graphs)
         self.rows.append(("  KV cache tokens / graph capture",
                           f"{graphs['kv_cache_tokens']:,} / {graphs.get('graph_capture_s', 0):.1f}s "
                           f"{graphs.get('graph_capture_mib', 0):.0f} MiB", ""))
@@ -160,6 +173,7 @@ class Bench:
         self.rows.append(("tokenmill, graphs, no async scheduling: tok/s",
                           f"{in_step['output_throughput']:,.0f} "
                           f"(async {graphs['output_throughput'] / in_step['output_throughput']:.2f}x)", ""))
+        self.timeline_row("no async", in_step)
         eager = self.throughput("tokenmill_eager", self.shape, enforce_eager=True)
         self.rows.append(("tokenmill, enforce_eager: output tok/s", f"{eager['output_throughput']:,.0f}", ""))
 

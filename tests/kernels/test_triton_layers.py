@@ -95,3 +95,36 @@ def test_bad_inputs_name_the_argument():
         ops.rotary(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.ones(10, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="silu_and_mul"):
         ops.silu_and_mul(torch.randn(4, 7, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (16, 8, 128), (3, 1, 80)])
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "rotary-only"])
+def test_qk_norm_rotary_from_the_qkv_views(poisoned_outputs, dtype, heads, kv_heads, head_dim, norm):
+    tokens = 7
+    g = torch.Generator().manual_seed(heads * head_dim + norm)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(dtype).to(DEVICE)
+    before = qkv.clone()
+    q = qkv[:, :q_size].view(tokens, heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2)] if norm \
+        else [None, None]
+    positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
+    half = head_dim // 2
+    freqs = torch.outer(torch.arange(512, dtype=torch.float64), 1.0 / 10000 ** (torch.arange(half) * 2 / head_dim))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos, sin = cos_sin[positions.cpu(), :half].to(DEVICE)[:, None], cos_sin[positions.cpu(), half:].to(DEVICE)[:, None]
+
+    def reference(x, w):
+        x = x.double()
+        if w is not None:  # the unfused norm's output is rounded to the model dtype
+            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).to(dtype).double()
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    q_out, k_out = ops.qk_norm_rotary(q, k, weights[0], weights[1], 1e-6, positions, cos_sin.float().to(DEVICE))
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    close(q_out, reference(q, weights[0]), dtype)
+    close(k_out, reference(k, weights[1]), dtype)
+    assert torch.equal(qkv, before)  # the projection's output is read only

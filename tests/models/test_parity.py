@@ -151,6 +151,7 @@ def test_triton_backend_matches_transformers(name, engine_args, checkpoints, hf_
     llm, ours = generate(checkpoints(name), attention_backend="triton", **engine_args)
     runner = llm.engine.runner
     assert runner.attn.name == "triton" and runner.model.norm.kernels.__name__.endswith(".triton_ops")
+    assert runner.model.layers[0].self_attn.qk_norm_rotary is not None  # q/k norms and rotary in one launch
     assert [o.outputs[0].token_ids for o in ours] == [t for t, _ in hf_reference(name)]
     if "kv_cache_memory" not in engine_args:
         return  # the interpreter is slow: one case goes on to preemption and prefix hits

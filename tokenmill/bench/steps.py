@@ -133,3 +133,57 @@ def profile_host(llm: LLM, batch: int, context: int, steps: int = 10) -> str:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     return text.getvalue()
+
+
+class StepTimeline:
+    """Where a run's time goes, step by step: while it is entered, every `runner.launch` is
+    bracketed by device events (the device's time from the step's first queued work to its
+    sampled ids, which includes waits for the host's launches inside the step) and every
+    `runner.finish` is timed on the host (mostly the wait for the step's ids). Whether the host
+    and the device overlap shows as: device-bound, the device's time is the run's; host-bound,
+    the wait is near zero; serialized, the two add up. On the CPU only the host side counts."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.runner = llm.engine.runner
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.launch_s = self.finish_s = 0.0
+        self.steps = 0
+
+    def __enter__(self) -> StepTimeline:
+        runner, launch, finish = self.runner, self.runner.launch, self.runner.finish
+
+        def timed_launch(*args, **kwargs):
+            t0 = time.perf_counter()
+            ev0 = ev1 = None
+            if _cuda():
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev0.record()
+            launched = launch(*args, **kwargs)
+            if ev1 is not None:
+                ev1.record()
+                self.events.append((ev0, ev1))
+            self.launch_s += time.perf_counter() - t0
+            self.steps += 1
+            return launched
+
+        def timed_finish(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return finish(*args, **kwargs)
+            finally:
+                self.finish_s += time.perf_counter() - t0
+
+        runner.launch, runner.finish = timed_launch, timed_finish
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.launch, self.runner.finish  # the class's methods again
+
+    def summary(self, elapsed: float) -> dict[str, float]:
+        """Milliseconds per step: the run's, the device's, the host's launches and waits."""
+        _sync()
+        device = sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        n = max(1, self.steps)
+        return {"steps": self.steps, "step_ms": elapsed / n * 1e3, "device_ms": device / n * 1e3,
+                "launch_ms": self.launch_s / n * 1e3, "finish_ms": self.finish_s / n * 1e3,
+                "other_host_ms": (elapsed - self.launch_s - self.finish_s) / n * 1e3}

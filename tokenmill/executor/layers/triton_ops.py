@@ -2,18 +2,22 @@
 runs a chain of ops.
 
 On an H200, a decode step of the Qwen3-0.6B shape at batch 1 spent 2.03 ms in kernels
-against a 0.33 ms memory roofline. With torch ops a layer launches about 27 kernels, 20 of
-them small elementwise ones: the rotary embedding alone is five per tensor (neg, cat, two
+against a 0.33 ms memory roofline. With torch ops a layer launches about 27 kernels (our
+count, from the code and the profile's kernel names), 20 of them small elementwise ones: the rotary embedding alone is five per tensor (neg, cat, two
 products, a sum), each residual add and each strided q/k norm input one more. Here the
-same work is 9 launches a layer (the q/k norms still copy their strided input first).
-These three functions have the CPU kernels' interface (csrc/elementwise.cpp),
-so the layers take either module as their `kernels`, chosen once when the model is built:
+same work is 4 launches a layer. Three functions have the CPU kernels' interface
+(csrc/elementwise.cpp), so the layers take either module as their `kernels`, chosen once
+when the model is built:
 - `rms_norm`: residual += x in place (optional, rounded to the model dtype as the
   reference model keeps its residual stream), then the norm of the sum times the weight;
 - `rotary`: the rotate-half embedding, in place, on [tokens, heads, head_dim] rows with
   any token stride (q and k are views of the fused qkv projection);
 - `silu_and_mul`: silu(gate) * up of [gate | up] rows.
-Each computes in float32 and rounds once. Tested on the CPU under Triton's interpreter
+A fourth, `qk_norm_rotary`, which the attention layer uses where its kernels have it, does
+q's and k's per-head norms (Qwen3) and their rotary embedding in one launch, reading the
+qkv projection's strided views and writing contiguous q and k (with torch ops: two copies,
+two norms and ten small ops). Each computes in float32 and rounds where the unfused
+chain's output is rounded. Tested on the CPU under Triton's interpreter
 against the torch ops (tests/kernels/test_triton_layers.py); the interpreter computes
 bfloat16 arithmetic wrongly, and these kernels do none: every tile is widened on load.
 """
@@ -67,6 +71,41 @@ def _rotary(x_ptr, pos_ptr, cos_sin_ptr, stride_t, HEADS: tl.constexpr, H_PAD: t
 
 
 @triton.jit
+def _qk_heads(x_ptr, out_ptr, w_ptr, t, stride_t, cos, sin, eps, HEADS: tl.constexpr, H_PAD: tl.constexpr,
+              HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+    """One token's heads of q or k: RMSNorm per head (rounded to the dtype, as the unfused
+    norm's output is), then the rotary embedding; read strided, written contiguous."""
+    h = tl.arange(0, H_PAD)
+    i = tl.arange(0, HALF_PAD)
+    mask = (h < HEADS)[:, None] & (i < HALF)[None, :]
+    offs = h[:, None] * (2 * HALF) + i[None, :]
+    x1 = tl.load(x_ptr + t * stride_t + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + t * stride_t + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+        x1 = (x1 * inv[:, None] * w1[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * inv[:, None] * w2[None, :]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = out_ptr + t * HEADS * 2 * HALF + offs
+    tl.store(out, (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rotary(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, cos_sin_ptr, stride_qt, stride_kt,
+                    eps, Q_HEADS: tl.constexpr, QH_PAD: tl.constexpr, K_HEADS: tl.constexpr, KH_PAD: tl.constexpr,
+                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + i, mask=i < HALF, other=0.0)
+    _qk_heads(q_ptr, q_out_ptr, qw_ptr, t, stride_qt, cos, sin, eps, Q_HEADS, QH_PAD, HALF, HALF_PAD, NORM)
+    _qk_heads(k_ptr, k_out_ptr, kw_ptr, t, stride_kt, cos, sin, eps, K_HEADS, KH_PAD, HALF, HALF_PAD, NORM)
+
+
+@triton.jit
 def _silu_and_mul(out_ptr, gate_up_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -105,6 +144,30 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> N
     if tokens:
         _rotary[(tokens,)](x, positions, cos_sin, x.stride(0), HEADS=heads, H_PAD=_pow2(heads),
                            HALF=head_dim // 2, HALF_PAD=_pow2(head_dim // 2))
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                   eps: float, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rows (views of the fused
+    qkv projection): each head's RMSNorm when the weights are given (Qwen3's q/k norm), then
+    the rotary embedding, in one launch; returns new contiguous q and k."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    for name, x in (("q", q), ("k", k)):
+        if x.stride(2) != 1 or x.stride(1) != head_dim or x.shape[2] != head_dim:
+            raise ValueError(f"qk_norm_rotary: {name} must be [tokens, heads, {head_dim}] rows, got shape "
+                             f"{tuple(x.shape)} strides {x.stride()}")
+    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] != head_dim:
+        raise ValueError(f"qk_norm_rotary: cos_sin must be contiguous float32 [max_position, {head_dim}]")
+    q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    norm = q_weight is not None
+    if tokens:
+        _qk_norm_rotary[(tokens,)](q, k, q_out, k_out, q_weight if norm else cos_sin, k_weight if norm else cos_sin,
+                                   positions, cos_sin, q.stride(0), k.stride(0), eps, Q_HEADS=heads,
+                                   QH_PAD=_pow2(heads), K_HEADS=kv_heads, KH_PAD=_pow2(kv_heads), HALF=head_dim // 2,
+                                   HALF_PAD=_pow2(head_dim // 2), NORM=norm)
+    return q_out, k_out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

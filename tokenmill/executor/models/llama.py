@@ -57,15 +57,22 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.splits = [q_size, kv_size, kv_size]
+        # the Triton layer kernels norm and rotate q and k in one launch
+        self.qk_norm_rotary = getattr(kernels, "qk_norm_rotary", None)
 
     def forward(self, rope: Rope, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        if self.qk_norm_rotary is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else \
+                (None, None, 0.0)
+            q, k = self.qk_norm_rotary(q, k, norms[0], norms[1], norms[2], rope.positions, rope.cos_sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(rope, q, k)
         o = attn(q, k, v, self.layer)
         o = self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
         return o if self.tp is None else self.tp.all_reduce(o)
