@@ -209,10 +209,13 @@ class KVCacheManager:
         then nothing changed."""
         blocks = self.req_blocks.get(request.request_id)
         if blocks and not new_computed_blocks:  # most decode steps: the blocks it holds have room
-            end = request.num_computed_tokens + num_new_tokens
-            if end <= len(blocks) * self.block_size and not self._needs_copy(request):
-                if self.enable_prefix_caching:
-                    self._register_full_blocks(request, min(end, request.num_tokens))
+            computed, bs = request.num_computed_tokens, self.block_size
+            end = computed + num_new_tokens
+            # (_needs_copy, written out: this runs for every request in every step)
+            if end <= len(blocks) * bs and not (computed % bs and blocks[computed // bs].ref_cnt > 1):
+                if self.enable_prefix_caching and \
+                        min(end, len(request.all_token_ids)) // bs > self.req_num_registered.get(request.request_id, 0):
+                    self._register_full_blocks(request, min(end, len(request.all_token_ids)))
                 return True
         if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
             return False
@@ -241,8 +244,12 @@ class KVCacheManager:
         """Makes findable the full blocks of tokens computed (or scheduled) before they were
         known: async scheduling computes a token sampled by the step before, so its block could
         not be keyed when it was scheduled."""
-        if self.enable_prefix_caching and request.request_id in self.req_blocks:
-            self._register_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+        num_tokens = min(request.num_computed_tokens, len(request.all_token_ids))
+        rid = request.request_id
+        # most steps fill no block: one lookup, then nothing
+        if self.enable_prefix_caching and num_tokens // self.block_size > self.req_num_registered.get(rid, 0) \
+                and rid in self.req_blocks:
+            self._register_full_blocks(request, num_tokens)
 
     def free(self, request: Request, finished: bool = True) -> None:
         """Releases a request's blocks (last block first, so a prompt's tail is evicted

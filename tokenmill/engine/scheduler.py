@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus, TokenLogprobs
-from tokenmill.engine.request_queue import make_request_queue
+from tokenmill.engine.request_queue import RequestQueue, make_request_queue
 
 
 @dataclass(slots=True)
@@ -137,14 +137,18 @@ class Scheduler:
         scheduled: dict[str, int] = {}  # request_id -> num_scheduled_tokens
         budget = self.max_num_batched_tokens
 
+        allocate_slots = self.kv.allocate_slots
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_pending_tokens and self._ends_with_pending(request):
+            pending = request.num_pending_tokens
+            if pending and self._ends_with_pending(request):
                 i += 1  # async scheduling: its token in flight is its last; nothing more to compute
                 continue
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            # (num_tokens_with_spec, written out: this runs for every request in every step)
+            num_new = min(len(request.all_token_ids) + len(request.spec_token_ids) + pending
+                          - request.num_computed_tokens, budget)
+            while not allocate_slots(request, num_new):
                 victim = self.waiting.pick_victim(self.running)
                 if self.running.index(victim) < i:
                     i -= 1
@@ -164,22 +168,25 @@ class Scheduler:
         if not out.preempted and (not self.static or self._batch_open):
             budget = self._admit_waiting(scheduled, budget)
 
+        get_block_ids = self.kv.get_block_ids
         for request in self.running:
             n = scheduled.get(request.request_id)
             if n is None:
                 continue
+            computed, num_tokens = request.num_computed_tokens, len(request.all_token_ids)
             out.requests.append(request)
-            out.num_computed_tokens.append(request.num_computed_tokens)
+            out.num_computed_tokens.append(computed)
             out.num_scheduled_tokens.append(n)
-            out.block_tables.append(self.kv.get_block_ids(request.request_id))
-            samples = request.num_computed_tokens + n >= request.num_tokens
+            out.block_tables.append(get_block_ids(request.request_id))
+            samples = computed + n >= num_tokens
             request.num_pending_tokens += samples
-            # the drafts the budget left room for
-            del request.spec_token_ids[max(0, request.num_computed_tokens + n - request.num_tokens):]
+            if request.spec_token_ids:  # the drafts the budget left room for
+                del request.spec_token_ids[max(0, computed + n - num_tokens):]
             out.spec_token_ids.append(request.spec_token_ids)
             out.sampling.append(samples)
-            self.num_prompt_tokens_computed += max(0, min(n, request.num_prompt_tokens - request.num_computed_tokens))
-            request.num_computed_tokens += n
+            if computed < request.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(n, request.num_prompt_tokens - computed)
+            request.num_computed_tokens = computed + n
             if samples and request.num_forks:
                 self._fork(out, len(out.requests) - 1, request)
         out.block_copies = self.kv.take_copies()
@@ -234,6 +241,8 @@ class Scheduler:
         token or finished this step."""
         changed = []
         now = time.time()
+        # a queue that counts sampled tokens (fair) hears of them; the others' hook does nothing
+        on_sampled = self.waiting.on_sampled if type(self.waiting).on_sampled is not RequestQueue.on_sampled else None
         if result.prompt_logprobs:
             for request in out.requests:
                 entries = result.prompt_logprobs.get(request.request_id)
@@ -261,7 +270,8 @@ class Scheduler:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     break
-            self.waiting.on_sampled(request, num_appended)
+            if on_sampled is not None:
+                on_sampled(request, num_appended)
             if status is not None:
                 (self.running if running else self.waiting).remove(request)
                 self._finish(request, status)
@@ -294,23 +304,24 @@ class Scheduler:
 
     # -- internals --------------------------------------------------------------
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        num_output = request.num_output_tokens
-        if num_output >= request.sampling_params.min_tokens:
+        num_tokens = len(request.all_token_ids)  # (the properties, written out: once per token)
+        num_output = num_tokens - request.num_prompt_tokens
+        sp = request.sampling_params
+        if num_output >= sp.min_tokens:
             if token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in request.sampling_params.stop_token_ids:
+            if token_id in sp.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether the request's sampled tokens in flight reach max_tokens or max_model_len, so
         that it ends with them (_check_stop) and is not scheduled again."""
-        pending = request.num_pending_tokens
-        return (request.num_output_tokens + pending >= request.max_tokens
-                or request.num_tokens + pending >= self.max_model_len)
+        num_tokens = len(request.all_token_ids) + request.num_pending_tokens
+        return num_tokens - request.num_prompt_tokens >= request.max_tokens or num_tokens >= self.max_model_len
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
