@@ -2,9 +2,10 @@
 
     python benchmarks/gpu_throughput.py [--output-dir gpu_results] [--budget-s 520] [--smoke]
 
-The device machine's image lacks compressed-tensors (the FP8 checkpoint test needs it):
-`scripts/gpu_wheels.sh` here fetches its wheels into .whl/; carry .whl and install them
-there first (the script's header gives the command).
+On a lent device machine: `bash scripts/gpu_wheels.sh` here (the image lacks
+compressed-tensors, which the FP8 checkpoint test needs), then one call of
+`bash scripts/device_session.sh --budget-s 540 --only SECTIONS` carrying .whl: it installs
+the wheels, runs this script under a timeout and puts the log and results in $OUT.
 
 Sections, in the order they run (--only picks some):
 tests        pytest tests/gpu tests/kernels on the device: bf16 and float32 parity with HF
