@@ -128,3 +128,41 @@ def test_qk_norm_rotary_from_the_qkv_views(poisoned_outputs, dtype, heads, kv_he
     close(q_out, reference(q, weights[0]), dtype)
     close(k_out, reference(k, weights[1]), dtype)
     assert torch.equal(qkv, before)  # the projection's output is read only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, k", [(1, 64), (9, 1024), (3, 3000)])
+def test_quantize_fp8_rows_equals_the_torch_version(dtype, rows, k):
+    """Scales and codes equal quantization/fp8.py's nine-op torch version (which the FP8
+    checkpoint format is checked against), a zero row included."""
+    from tokenmill.executor.layers.quantization.fp8 import quantize_fp8_rows
+    g = torch.Generator().manual_seed(rows * k)
+    wide = (torch.randn(rows, k + 16, generator=g) * torch.logspace(-3, 2, rows)[:, None]).to(dtype).to(DEVICE)
+    wide[0, :] = 0
+    x = wide[:, 5:5 + k]  # rows a wider stride apart
+    q_ref, s_ref = quantize_fp8_rows(x)
+    q, s = ops.quantize_fp8_rows(x)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_fp8_layer_with_the_triton_activation_quantization():
+    """The FP8 linear layer as CUDA runs it (its activations through the Triton kernel)
+    gives the torch version's output exactly (torch._scaled_mm also runs on the CPU)."""
+    from tokenmill.executor.layers.linear import Linear
+    from tokenmill.executor.layers.quantization.fp8 import Fp8LinearMethod, quantize_fp8_rows
+
+    g = torch.Generator().manual_seed(2)
+    w, x, bias = torch.randn(96, 64, generator=g) * 0.05, torch.randn(5, 64, generator=g), torch.randn(96, generator=g)
+    layer = Linear(64, 96, bias=True, quant_method=Fp8LinearMethod(from_checkpoint=False))
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(bias)
+    layer.to(DEVICE).pack()
+    x = x.to(DEVICE)
+    method = layer.quant_method
+    # chosen when the weights are packed, by their device
+    assert method.quantize is (ops.quantize_fp8_rows if DEVICE == "cuda" else quantize_fp8_rows)
+    method.quantize = quantize_fp8_rows
+    reference = layer(x)
+    method.quantize = ops.quantize_fp8_rows
+    assert torch.equal(layer(x), reference)

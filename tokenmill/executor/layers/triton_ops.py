@@ -17,17 +17,21 @@ A fourth, `qk_norm_rotary`, which the attention layer uses where its kernels hav
 q's and k's per-head norms (Qwen3) and their rotary embedding in one launch, reading the
 qkv projection's strided views and writing contiguous q and k (with torch ops: two copies,
 two norms and ten small ops). Each computes in float32 and rounds where the unfused
-chain's output is rounded. Tested on the CPU under Triton's interpreter
+chain's output is rounded. A fifth, `quantize_fp8_rows`, is FP8 W8A8's dynamic per-token
+activation quantization (quantization/fp8.py) in one launch instead of nine ops. Tested on the CPU under Triton's interpreter
 against the torch ops (tests/kernels/test_triton_layers.py); the interpreter computes
 bfloat16 arithmetic wrongly, and these kernels do none: every tile is widened on load.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_TILE = 4096  # elements a program holds of one tensor: rows of a norm, heads of a token
 
 
@@ -113,6 +117,39 @@ def _silu_and_mul(out_ptr, gate_up_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr):
     gate = tl.load(gate_up_ptr + r * 2 * DIM + j, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + r * 2 * DIM + DIM + j, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * DIM + j, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_fp8_rows(q_ptr, scale_ptr, x_ptr, stride_x, K, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    row = x_ptr + r * stride_x
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs = k + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / FP8_MAX)
+    tl.store(scale_ptr + r, scale)
+    for k in range(0, K, BLOCK_K):
+        offs = k + tl.arange(0, BLOCK_K)
+        x = tl.load(row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as torch's
+        tl.store(q_ptr + r * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token float8_e4m3fn of x [M, K] (rows contiguous) in one launch, as
+    quantization/fp8.py's torch version computes it in nine: (q, float32 scale [M, 1]),
+    the scale max|row| / 448 (at least 1e-12 / 448), q = row / scale, saturated."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_fp8_rows: x must be [rows, K] with contiguous rows, got strides {x.stride()}")
+    rows, k = x.shape
+    # the interpreter rounds float32 to fp8 wrongly next to a power of two (124.8 -> 64):
+    # there, and only there, the kernel writes the saturated float32 and torch casts it
+    q = torch.empty((rows, k), dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_fp8_rows[(rows,)](q, scale, x, x.stride(0), k, FP8_MAX=448.0, BLOCK_K=min(2048, _pow2(k)))
+    return (q.to(torch.float8_e4m3fn) if INTERPRET else q), scale
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
