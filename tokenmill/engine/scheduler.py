@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus, TokenLogprobs
 from tokenmill.engine.request_queue import RequestQueue, make_request_queue
@@ -36,6 +38,8 @@ class SchedulerOutput:
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
     num_scheduled_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
+    # the same as one int32 array, zeros after each row (None: the runner pads the lists)
+    block_table: np.ndarray | None = None
     preempted: list[Request] = field(default_factory=list)
     # parallel sampling: (i, sequence) forked from requests[i] this step, sampling from its last row
     forked: list[tuple[int, Request]] = field(default_factory=list)
@@ -190,6 +194,7 @@ class Scheduler:
             if samples and request.num_forks:
                 self._fork(out, len(out.requests) - 1, request)
         out.block_copies = self.kv.take_copies()
+        out.block_table = self.kv.block_table([r.request_id for r in out.requests])
         return out
 
     def _fork(self, out: SchedulerOutput, row: int, request: Request) -> None:

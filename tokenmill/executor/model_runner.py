@@ -214,7 +214,7 @@ class ModelRunner(CacheOwner):
                 pending_rows.append(self._last_rows[request.request_id])
                 input_ids.append(0)
             input_ids.extend(drafts)  # scheduled after the known tokens
-        block_table = pad_rows(out.block_tables)
+        block_table = out.block_table if out.block_table is not None else pad_rows(out.block_tables)
         positions, slot_mapping = token_slots(query_lens, computed, block_table, bs)
         seq_lens = (computed + query_lens).astype(np.int32)
         # each sampling request's last token (with k drafts: its last k + 1); a sequence forked
