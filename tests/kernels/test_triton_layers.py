@@ -1,4 +1,5 @@
-"""The Triton layer kernels (rms_norm, rotary, silu_and_mul) against float64 references.
+"""The Triton layer kernels (rms_norm, qk_norm_rotary, silu_and_mul, quantize_fp8_rows) against
+float64 references or the torch versions.
 
 Without a GPU they run under Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1). Outputs start as NaN (torch.empty is poisoned), and rows or heads
@@ -57,27 +58,6 @@ def test_rms_norm(poisoned_outputs, dtype, rows, dim, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 4, 64), (9, 2, 128), (17, 3, 80), (4, 16, 256)])
-def test_rotary_in_place_on_a_strided_view(dtype, tokens, heads, head_dim):
-    g = torch.Generator().manual_seed(tokens * heads * head_dim)
-    width = heads * head_dim
-    # q as a view of the fused qkv projection: its tokens a wider stride apart
-    qkv = torch.randn(tokens, 3 * width, generator=g).to(dtype).to(DEVICE)
-    before = qkv.clone()
-    x = qkv[:, :width].view(tokens, heads, head_dim)
-    positions = torch.randint(0, 500, (tokens,), generator=g).to(DEVICE)
-    half = head_dim // 2
-    freqs = torch.outer(torch.arange(512, dtype=torch.float64), 1.0 / 10000 ** (torch.arange(half) * 2 / head_dim))
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-    cos, sin = cos_sin[positions.cpu(), :half].to(DEVICE), cos_sin[positions.cpu(), half:].to(DEVICE)
-    x1, x2 = x.double()[..., :half], x.double()[..., half:]
-    ref = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
-    ops.rotary(x, positions, cos_sin.float().to(DEVICE))
-    close(x, ref, dtype)
-    assert torch.equal(qkv[:, width:], before[:, width:])  # k and v untouched
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, dim", [(1, 64), (23, 1408), (3, 2500)])
 def test_silu_and_mul(poisoned_outputs, dtype, rows, dim):
     g = torch.Generator().manual_seed(rows + dim)
@@ -91,8 +71,9 @@ def test_bad_inputs_name_the_argument():
     x = torch.randn(4, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="rms_norm: x must be"):
         ops.rms_norm(x, None, torch.ones(16, device=DEVICE), 1e-6)
-    with pytest.raises(ValueError, match="rotary: cos_sin"):
-        ops.rotary(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.ones(10, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="qk_norm_rotary: cos_sin"):
+        ops.qk_norm_rotary(x, x, None, None, 1e-6, torch.zeros(4, dtype=torch.int64, device=DEVICE),
+                           torch.ones(10, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="silu_and_mul"):
         ops.silu_and_mul(torch.randn(4, 7, device=DEVICE))
 

@@ -3,24 +3,26 @@ runs a chain of ops.
 
 On an H200, a decode step of the Qwen3-0.6B shape at batch 1 spent 2.03 ms in kernels
 against a 0.33 ms memory roofline. With torch ops a layer launches about 27 kernels (our
-count, from the code and the profile's kernel names), 20 of them small elementwise ones: the rotary embedding alone is five per tensor (neg, cat, two
-products, a sum), each residual add and each strided q/k norm input one more. Here the
-same work is 4 launches a layer. Three functions have the CPU kernels' interface
-(csrc/elementwise.cpp), so the layers take either module as their `kernels`, chosen once
-when the model is built:
-- `rms_norm`: residual += x in place (optional, rounded to the model dtype as the
-  reference model keeps its residual stream), then the norm of the sum times the weight;
-- `rotary`: the rotate-half embedding, in place, on [tokens, heads, head_dim] rows with
-  any token stride (q and k are views of the fused qkv projection);
-- `silu_and_mul`: silu(gate) * up of [gate | up] rows.
-A fourth, `qk_norm_rotary`, which the attention layer uses where its kernels have it, does
-q's and k's per-head norms (Qwen3) and their rotary embedding in one launch, reading the
-qkv projection's strided views and writing contiguous q and k (with torch ops: two copies,
-two norms and ten small ops). Each computes in float32 and rounds where the unfused
-chain's output is rounded. A fifth, `quantize_fp8_rows`, is FP8 W8A8's dynamic per-token
-activation quantization (quantization/fp8.py) in one launch instead of nine ops. Tested on the CPU under Triton's interpreter
-against the torch ops (tests/kernels/test_triton_layers.py); the interpreter computes
-bfloat16 arithmetic wrongly, and these kernels do none: every tile is widened on load.
+count, from the code and the profile's kernel names), 20 of them small elementwise ones:
+the rotary embedding alone is five per tensor (neg, cat, two products, a sum), each
+residual add and each strided q/k norm input one more. Here the same work is 4 launches a
+layer. The layers take this module as their `kernels`, as they take the CPU kernels
+(csrc/elementwise.cpp), chosen once when the model is built:
+- `rms_norm` (the CPU kernel's interface): residual += x in place (optional, rounded to the
+  model dtype as the reference model keeps its residual stream), then the norm of the sum
+  times the weight;
+- `silu_and_mul` (likewise): silu(gate) * up of [gate | up] rows;
+- `qk_norm_rotary`, which the attention layer uses where its kernels have it: q's and k's
+  per-head norms (Qwen3) and their rotate-half rotary embedding in one launch, reading the
+  qkv projection's strided views and writing contiguous q and k (with torch ops: two
+  copies, two norms and ten small ops);
+- `quantize_fp8_rows`: FP8 W8A8's dynamic per-token activation quantization
+  (quantization/fp8.py) in one launch instead of nine ops.
+Each computes in float32 and rounds where the unfused chain's output is rounded. Tested on
+the CPU under Triton's interpreter against float64 references and the torch versions
+(tests/kernels/test_triton_layers.py); the interpreter computes bfloat16 arithmetic
+wrongly, and these kernels do none (every tile is widened on load), and it rounds float32
+to fp8 wrongly, so there the fp8 cast is torch's.
 """
 
 from __future__ import annotations
@@ -55,23 +57,6 @@ def _rms_norm(out_ptr, x_ptr, res_ptr, w_ptr, rows, stride_x, eps, DIM: tl.const
     w = tl.load(w_ptr + d, mask=d < DIM, other=0.0).to(tl.float32)
     y = x * inv[:, None] * w[None, :]
     tl.store(out_ptr + r[:, None] * DIM + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rotary(x_ptr, pos_ptr, cos_sin_ptr, stride_t, HEADS: tl.constexpr, H_PAD: tl.constexpr,
-            HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
-    h = tl.arange(0, H_PAD)
-    i = tl.arange(0, HALF_PAD)
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + i, mask=i < HALF, other=0.0)  # a row: [cos(half) | sin(half)]
-    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + i, mask=i < HALF, other=0.0)
-    mask = (h < HEADS)[:, None] & (i < HALF)[None, :]
-    first = x_ptr + t * stride_t + h[:, None] * (2 * HALF) + i[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -168,19 +153,6 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                                                  x.stride(0), eps, DIM=dim, D_PAD=d_pad, BLOCK_R=block_r,
                                                  HAS_RESIDUAL=residual is not None)
     return out
-
-
-def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """x: [tokens, heads, head_dim] rows (any token stride), rotated in place; cos_sin:
-    float32 [max_position, head_dim], each row the cos of the half-dim frequencies, then their sin."""
-    tokens, heads, head_dim = x.shape
-    if x.stride(2) != 1 or x.stride(1) != head_dim:
-        raise ValueError(f"rotary: x must be [tokens, heads, head_dim] rows, got strides {x.stride()}")
-    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] != head_dim:
-        raise ValueError(f"rotary: cos_sin must be contiguous float32 [max_position, {head_dim}]")
-    if tokens:
-        _rotary[(tokens,)](x, positions, cos_sin, x.stride(0), HEADS=heads, H_PAD=_pow2(heads),
-                           HALF=head_dim // 2, HALF_PAD=_pow2(head_dim // 2))
 
 
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
