@@ -390,7 +390,7 @@ def main() -> None:
     only = set(args.only.split(","))
     # cost estimates (s) on an H100, so a section that cannot finish is skipped, not cut off
     for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 130), ("fp8", bench.fp8, 60),
-                           ("fp8_quality", bench.fp8_quality, 60), ("steps", bench.steps, 40),
+                           ("fp8_quality", bench.fp8_quality, 60), ("steps", bench.steps, 60),
                            ("profile", bench.profile, 40), ("hf", bench.hf, 170), ("hf_cb", bench.hf_cb, 150),
                            ("llama8b", bench.llama8b, 90)]:
         if name in only:
