@@ -23,3 +23,4 @@ def test_timeline_counts_every_step_and_its_parts_add_up(checkpoints):
     assert abs(parts - summary["step_ms"]) < 1e-6 and summary["launch_ms"] > 0 and summary["other_host_ms"] > 0
     # the runner's own methods again once the timeline is left
     assert runner.launch.__func__ is ModelRunner.launch and runner.finish.__func__ is ModelRunner.finish
+    assert runner._forward.__func__ is ModelRunner._forward

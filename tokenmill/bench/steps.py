@@ -138,12 +138,14 @@ def profile_host(llm: LLM, batch: int, context: int, steps: int = 10) -> str:
 
 
 class StepTimeline:
-    """Where a run's time goes, step by step: while it is entered, every `runner.launch` is
-    bracketed by device events (the device's time from the step's first queued work to its
-    sampled ids, which includes waits for the host's launches inside the step) and every
-    `runner.finish` is timed on the host (mostly the wait for the step's ids). Whether the host
-    and the device overlap shows as: device-bound, the device's time is the run's; host-bound,
-    the wait is near zero; serialized, the two add up. On the CPU only the host side counts."""
+    """Where a run's time goes, step by step: while it is entered, each step's device work is
+    bracketed by device events, one recorded as its forward is queued (after the host built
+    its inputs) and one after its sampling is queued, so the time between is the device's for
+    the step (with any wait for the host's launches inside it); every `runner.launch` and
+    `runner.finish` is timed on the host (finish: mostly the wait for the step's ids). Whether
+    the host and the device overlap shows as: device-bound, the device's time is the run's;
+    host-bound, the wait is near zero; serialized, the two add up. On the CPU only the host
+    side counts."""
 
     def __init__(self, llm: LLM) -> None:
         self.runner = llm.engine.runner
@@ -152,18 +154,23 @@ class StepTimeline:
         self.steps = 0
 
     def __enter__(self) -> StepTimeline:
-        runner, launch, finish = self.runner, self.runner.launch, self.runner.finish
+        runner, launch, finish, forward = self.runner, self.runner.launch, self.runner.finish, self.runner._forward
+        started: list[torch.cuda.Event] = []
+
+        def marked_forward(*args, **kwargs):
+            if _cuda():
+                started.append(torch.cuda.Event(enable_timing=True))
+                started[-1].record()
+            return forward(*args, **kwargs)
 
         def timed_launch(*args, **kwargs):
             t0 = time.perf_counter()
-            ev0 = ev1 = None
-            if _cuda():
-                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                ev0.record()
+            started.clear()
             launched = launch(*args, **kwargs)
-            if ev1 is not None:
-                ev1.record()
-                self.events.append((ev0, ev1))
+            if started:
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+                self.events.append((started[0], done))
             self.launch_s += time.perf_counter() - t0
             self.steps += 1
             return launched
@@ -175,11 +182,11 @@ class StepTimeline:
             finally:
                 self.finish_s += time.perf_counter() - t0
 
-        runner.launch, runner.finish = timed_launch, timed_finish
+        runner.launch, runner.finish, runner._forward = timed_launch, timed_finish, marked_forward
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.runner.launch, self.runner.finish  # the class's methods again
+        del self.runner.launch, self.runner.finish, self.runner._forward  # the class's methods again
 
     def summary(self, elapsed: float) -> dict[str, float]:
         """Milliseconds per step: the run's, the device's, the host's launches and waits."""
