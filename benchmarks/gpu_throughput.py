@@ -18,9 +18,9 @@ qwen3        the shape of Qwen3-0.6B's config (hidden 1024, 28 layers, 16 heads,
              100..1024 random tokens, ignore_eos (nano-vllm's bench.py workload); tokenmill with
              CUDA graphs (async scheduling, the default), graphs without async scheduling, and
              enforce_eager. Each run's time per step is split (bench/steps.py StepTimeline):
-             the device's time per step (events around each launch), the host's launches,
-             its waits for sampled ids, and the rest of the host's work, so a run that is
-             device-bound, host-bound or serialized shows which.
+             the device's (events from each step's forward to its sampling), the host's
+             launches, its waits for sampled ids, and the rest of the host's work, so a run
+             that is device-bound, host-bound or serialized shows which.
 fp8          the qwen3 run with quantization="fp8" (W8A8 through torch._scaled_mm) against bf16,
              both with CUDA graphs.
 fp8_quality  benchmarks/quant_quality.py --schemes fp8: the built-in model's perplexity, greedy
