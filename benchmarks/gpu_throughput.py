@@ -48,7 +48,6 @@ Details go to --output-dir (results.json, tests.log); the table is printed last.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
@@ -65,11 +64,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from tokenmill import LLM  # noqa: E402
-from tokenmill.executor import model_runner  # noqa: E402
 from tokenmill.bench.hf_baseline import hf_continuous, hf_model, hf_static_throughput  # noqa: E402
 from tokenmill.bench.offline import copy_tokenizer, run_throughput  # noqa: E402
 from tokenmill.bench.steps import (StepTimeline, copy_bandwidth, decode_step_time, profile_decode_steps,  # noqa: E402
-                                   profile_host)
+                                   profile_host, torch_layer_ops)
 from tokenmill.bench.workloads import random_requests  # noqa: E402
 
 QWEN3_06B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
@@ -335,18 +333,6 @@ def checkpoint(root: Path, shape: dict) -> Path:
     (path / "config.json").write_text(json.dumps({**shape, "torch_dtype": "bfloat16"}))
     copy_tokenizer(path)
     return path
-
-
-@contextlib.contextmanager
-def torch_layer_ops(on: bool):
-    """Engines built inside run their layers' norms, rotary and activation in torch ops."""
-    original = model_runner.select_layer_kernels
-    if on:
-        model_runner.select_layer_kernels = lambda attention_backend, cpu_kernels: cpu_kernels
-    try:
-        yield
-    finally:
-        model_runner.select_layer_kernels = original
 
 
 def free_gpu() -> None:

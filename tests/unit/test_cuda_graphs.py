@@ -65,9 +65,16 @@ def test_profile_forward_runs_the_largest_step_on_a_throwaway_cache(checkpoints,
 
 
 def test_step_block_tables_are_zero_padded_rows():
-    """The runner's block table: each request's (scattered) block ids, then zeros."""
-    from tokenmill.executor.model_runner import pad_rows
+    """The runner's block table: each request's (scattered) block ids, then zeros, in the
+    step's order; a row freed and taken again holds only its new request's ids."""
+    from tokenmill.engine.block_table import BlockTableRows
 
-    table = pad_rows([[7, 3, 9], [12], [], [5, 1]])
+    rows = BlockTableRows()
+    for rid, ids in [("gone", [4, 4, 4, 4, 4]), ("a", [7, 3]), ("b", [12]), ("c", []), ("d", [5, 1])]:
+        rows.write(rid, 0, ids)
+    rows.write("a", 2, [9])
+    rows.drop("gone")
+    rows.write("e", 0, [8])  # takes the dropped row
+    table = rows.gather(["a", "b", "c", "d", "e"], 3)
     assert table.dtype == np.int32
-    assert table.tolist() == [[7, 3, 9], [12, 0, 0], [0, 0, 0], [5, 1, 0]]
+    assert table.tolist() == [[7, 3, 9], [12, 0, 0], [0, 0, 0], [5, 1, 0], [8, 0, 0]]

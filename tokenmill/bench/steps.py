@@ -5,10 +5,12 @@ benchmarks/host_overhead.py (the host's share of a step on the CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from tokenmill.executor import model_runner
 from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
@@ -196,3 +198,16 @@ class StepTimeline:
         return {"steps": self.steps, "step_ms": elapsed / n * 1e3, "device_ms": device / n * 1e3,
                 "launch_ms": self.launch_s / n * 1e3, "finish_ms": self.finish_s / n * 1e3,
                 "other_host_ms": (elapsed - self.launch_s - self.finish_s) / n * 1e3}
+
+
+@contextlib.contextmanager
+def torch_layer_ops(on: bool):
+    """Engines built inside run their layers' norms, rotary and activation in torch ops
+    instead of the Triton layer kernels (the CPU kernels stay on the CPU)."""
+    original = model_runner.select_layer_kernels
+    if on:
+        model_runner.select_layer_kernels = lambda attention_backend, cpu_kernels: cpu_kernels
+    try:
+        yield
+    finally:
+        model_runner.select_layer_kernels = original

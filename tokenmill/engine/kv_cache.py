@@ -30,8 +30,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
+from tokenmill.engine.block_table import BlockTableRows
 from tokenmill.engine.request import Request
 
 BlockKey = tuple[bytes, tuple[int, ...]]  # (chained hash, token ids of the block)
@@ -137,54 +136,6 @@ class BlockPool:
         return events
 
 
-class BlockTableRows:
-    """Every request's block ids also as a row of one int32 array, zeros past its blocks, so
-    that a step's block table is one numpy gather of its requests' rows. Built from 256
-    Python lists of 128 ids each, the table took 1 ms of host time a step."""
-
-    def __init__(self) -> None:
-        self.array = np.zeros((64, 64), dtype=np.int32)
-        self.rows: dict[str, int] = {}
-        self.free_rows: list[int] = []
-
-    def write(self, request_id: str, start: int, ids: Sequence[int]) -> None:
-        """ids go to the request's columns from `start` on."""
-        row = self.rows.get(request_id)
-        if row is None:
-            row = self.rows[request_id] = self.free_rows.pop() if self.free_rows else self._grow_rows()
-        end = start + len(ids)
-        if end > self.array.shape[1]:
-            wider = np.zeros((self.array.shape[0], max(end, 2 * self.array.shape[1])), dtype=np.int32)
-            wider[:, :self.array.shape[1]] = self.array
-            self.array = wider
-        self.array[row, start:end] = ids
-
-    def truncate(self, request_id: str, keep: int) -> None:
-        self.array[self.rows[request_id], keep:] = 0
-
-    def drop(self, request_id: str) -> None:
-        row = self.rows.pop(request_id, None)
-        if row is not None:
-            self.array[row] = 0
-            self.free_rows.append(row)
-
-    def gather(self, request_ids: Iterable[str], width: int) -> np.ndarray:
-        """The requests' rows, `width` columns: each request's block ids, then zeros."""
-        rows = [self.rows.get(rid, -1) for rid in request_ids]  # -1: no blocks yet, a row of zeros
-        table = self.array[rows, :width]  # (a request's row is as wide as its blocks, at least)
-        if -1 in rows:
-            table[[i for i, r in enumerate(rows) if r == -1]] = 0
-        return table
-
-    def _grow_rows(self) -> int:
-        n = self.array.shape[0]
-        taller = np.zeros((2 * n, self.array.shape[1]), dtype=np.int32)
-        taller[:n] = self.array
-        self.array = taller
-        self.free_rows.extend(range(2 * n - 1, n, -1))
-        return n
-
-
 class KVCacheManager:
     """Block tables of the running requests over one BlockPool.
 
@@ -247,11 +198,6 @@ class KVCacheManager:
                      new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
         return self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) <= self.pool.num_free
 
-    def block_table(self, request_ids: Sequence[str]) -> np.ndarray:
-        """The requests' block ids as the rows of one int32 array, zeros after each."""
-        width = max((len(self.req_block_ids.get(rid, ())) for rid in request_ids), default=0)
-        return self.tables.gather(request_ids, width)
-
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table: a copy of the ids kept as blocks come and go (a list copy,
         not a pass over its blocks each step)."""
@@ -269,9 +215,9 @@ class KVCacheManager:
             end = computed + num_new_tokens
             # (_needs_copy, written out: this runs for every request in every step)
             if end <= len(blocks) * bs and not (computed % bs and blocks[computed // bs].ref_cnt > 1):
-                if self.enable_prefix_caching and \
-                        min(end, len(request.all_token_ids)) // bs > self.req_num_registered.get(request.request_id, 0):
-                    self._register_full_blocks(request, min(end, len(request.all_token_ids)))
+                known = min(end, len(request.all_token_ids))
+                if self.enable_prefix_caching and known // bs > self.req_num_registered.get(request.request_id, 0):
+                    self._register_full_blocks(request, known)
                 return True
         if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
             return False

@@ -38,7 +38,7 @@ class SchedulerOutput:
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
     num_scheduled_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
-    # the same as one int32 array, zeros after each row (None: the runner pads the lists)
+    # the same as one int32 array, zeros after each row (the runner's; the lists are the drafters')
     block_table: np.ndarray | None = None
     preempted: list[Request] = field(default_factory=list)
     # parallel sampling: (i, sequence) forked from requests[i] this step, sampling from its last row
@@ -194,7 +194,8 @@ class Scheduler:
             if samples and request.num_forks:
                 self._fork(out, len(out.requests) - 1, request)
         out.block_copies = self.kv.take_copies()
-        out.block_table = self.kv.block_table([r.request_id for r in out.requests])
+        out.block_table = self.kv.tables.gather([r.request_id for r in out.requests],
+                                                max(map(len, out.block_tables), default=0))
         return out
 
     def _fork(self, out: SchedulerOutput, row: int, request: Request) -> None:

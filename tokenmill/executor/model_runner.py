@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import chain
 from types import ModuleType
 from typing import NamedTuple
 
@@ -214,7 +213,7 @@ class ModelRunner(CacheOwner):
                 pending_rows.append(self._last_rows[request.request_id])
                 input_ids.append(0)
             input_ids.extend(drafts)  # scheduled after the known tokens
-        block_table = out.block_table if out.block_table is not None else pad_rows(out.block_tables)
+        block_table = out.block_table
         positions, slot_mapping = token_slots(query_lens, computed, block_table, bs)
         seq_lens = (computed + query_lens).astype(np.int32)
         # each sampling request's last token (with k drafts: its last k + 1); a sequence forked
@@ -323,13 +322,3 @@ class ModelRunner(CacheOwner):
         dst = (np.array([d for _, d in copies], dtype=np.int64)[:, None] * bs + offsets).ravel()
         put = self.staging.to_device
         self.kv_cache.copy_slots(put(dst), put(src))
-
-
-def pad_rows(rows: list[list[int]]) -> np.ndarray:
-    """The lists as the rows of one int32 array, zeros after each (one pass in numpy, not one
-    assignment per row: a step of 256 requests has 256 block lists)."""
-    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    table = np.zeros((len(rows), int(lens.max(initial=0))), dtype=np.int32)
-    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(chain.from_iterable(rows), dtype=np.int32,
-                                                                   count=int(lens.sum()))
-    return table

@@ -128,9 +128,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`kernels`: the native CPU kernels when built for the CPU, the Triton layer kernels beside
-    Triton attention, or None (torch ops); every layer picks its implementation once, here. `quant`: the linear layers'
-    quantization (the LM head and embeddings stay unquantized). `tp`: this rank's place in a
-    tensor-parallel group (executor/distributed), which builds its part of each layer."""
+    Triton attention, or None (torch ops); every layer picks its implementation once, here.
+    `quant`: the linear layers' quantization (the LM head and embeddings stay unquantized).
+    `tp`: this rank's place in a tensor-parallel group (executor/distributed), which builds
+    its part of each layer."""
 
     def __init__(self, cfg: ModelConfig, max_position: int, kernels: ModuleType | None = None,
                  quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> None:
