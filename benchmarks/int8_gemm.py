@@ -7,7 +7,13 @@ y = x W^T with x [rows, K] in the engine's dtype and W [N, K] int8 per output ch
 (symmetric); x is quantized per token (symmetric int8) inside every timed call, as the
 engine does, and y comes back in x's dtype:
 
-    dense       F.linear in the engine's dtype (bf16 where the CPU has it, else fp32): the baseline
+    dense       the engine's float layer (layers/linear.py: oneDNN's packed layout) in the engine's
+                dtype (bf16 where the CPU has it, else fp32): the baseline
+    direct      the engine's W8A8 layer with its native kernel (csrc/int8_linear.cpp): fbgemm's
+                packed GEMM called directly, one column part per thread, per-token quantization
+                and rescale in the same op
+    fbgemm_op   the same layer through torch's quantized op (the engine without native kernels):
+                rows scaled to the int8 range, then quantized::linear_with_input_q_dq_qweight_dq_output_fp32
     onednn      torch.ops.onednn.qlinear_pointwise on a prepacked weight (int8 activations,
                 scale 1), then y *= the per-token scales
     int_mm      torch._int_mm (int8 x int8 -> int32), then the two rescales
@@ -31,6 +37,9 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
+from tokenmill.executor.layers.linear import Linear
+from tokenmill.executor.layers.quantization.int8 import Int8LinearMethod
 from tokenmill.executor.loader import choose_dtype
 
 SHAPES = {
@@ -51,7 +60,18 @@ def candidates(w: torch.Tensor, dtype: torch.dtype) -> dict:
     """name -> f(x) for one weight [N, K] (float32 master copy)."""
     qw, sw = quantize_rows(w)  # per output channel
     sw = sw.squeeze(1)
-    out = {"dense": (lambda wd: lambda x: F.linear(x, wd))(w.to(dtype))}
+    def layer(method: Int8LinearMethod | None) -> Linear:
+        lin = Linear(w.shape[1], w.shape[0], quant_method=method)
+        lin.weight.data = w.to(dtype)
+        lin.pack()
+        return lin
+
+    out = {"dense": layer(None)}
+    kernels = load_cpu_kernels()
+    if kernels is not None and hasattr(kernels, "int8_linear"):
+        out["direct"] = layer(Int8LinearMethod(kernels))
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        out["fbgemm_op"] = layer(Int8LinearMethod(None))
 
     packed = torch.ops.onednn.qlinear_prepack(qw, None)
     zp = torch.zeros(len(sw), dtype=torch.int64)

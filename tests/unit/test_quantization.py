@@ -1,5 +1,5 @@
-"""INT8 W8A8 linear layers (layers/quantization/int8.py) against exact integer arithmetic,
-the native row-scaling kernel against its torch form, and the engine with quantization on."""
+"""INT8 W8A8 linear layers (layers/quantization/int8.py), native and through torch's
+quantized op, against exact integer arithmetic, and the engine with quantization on."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import DEFAULT_MODEL_DIR, EngineConfig
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel, scale_rows
+from tokenmill.executor.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
                                 reason="int8 runs on fbgemm (x86-64)")
@@ -29,7 +29,7 @@ def exact_w8a8(x: torch.Tensor, w: torch.Tensor, qmax: int) -> torch.Tensor:
     return ((qx.double() @ qw.double().t()) * sx.double() * sw.double()).float()
 
 
-@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (7, 512, 1024), (64, 1408, 512)])
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (5, 96, 200), (7, 512, 1024), (64, 1408, 512)])
 @pytest.mark.parametrize("kernels", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("outlier", [1, 20], ids=["plain", "outlier"])
 def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, kernels, outlier):
@@ -55,18 +55,29 @@ def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, kernels, outlier)
     assert (y - ref).norm() / ref.norm() < (0.03 if outlier == 1 else 0.08)
 
 
-def test_native_row_scaling_equals_torch():
+def test_native_int8_linear_dtypes_and_shapes():
+    """bf16 rows in and out, rows with a stride, a layer without bias and no rows at all; the
+    columns come in parts, one per thread (200 columns: parts of 128 and 72 on two threads)."""
     kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("no native kernels")
-    x = torch.randn(9, 300, dtype=torch.float32)
-    x[4] = 0.0  # an all-zero row: scale 1, values 0
-    for dtype, qmax in ((torch.float32, 127), (torch.bfloat16, 63)):
-        got, got_scale = scale_rows(x.to(dtype), kernels, qmax)
-        want, want_scale = scale_rows(x.to(dtype), None, qmax)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(got_scale, want_scale)
-        assert got.abs().amax() <= qmax + 1e-4
+    if kernels is None or not hasattr(kernels, "int8_linear"):
+        pytest.skip("no native int8 kernels")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 96, generator=gen) * 0.05
+    method = Int8LinearMethod(kernels)
+    layer = Linear(96, 200, quant_method=method)
+    layer.weight.data.copy_(w)
+    layer.pack()
+    wide = torch.randn(6, 150, generator=gen)
+    x = wide[:, 10:106]  # rows 150 apart
+    exact = exact_w8a8(x, w, method.qmax)
+    assert (layer(x) - exact).norm() / exact.norm() < 1e-4
+    y16 = layer(x.to(torch.bfloat16))
+    assert y16.dtype == torch.bfloat16
+    exact16 = exact_w8a8(x.to(torch.bfloat16).float(), w, method.qmax)
+    assert (y16.float() - exact16).norm() / exact16.norm() < 1e-2  # bf16's own rounding of the output
+    assert layer(torch.empty(0, 96)).shape == (0, 200)
+    with pytest.raises(RuntimeError, match="in_features"):
+        layer(torch.randn(2, 95))
 
 
 def test_engine_with_int8_stays_close_to_float():

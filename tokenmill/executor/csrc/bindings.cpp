@@ -12,8 +12,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
-std::vector<torch::Tensor> scale_rows_int8(torch::Tensor x, double qmax);
 torch::Tensor argmax_rows(torch::Tensor logits);
+void bind_int8_linear(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -31,7 +31,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "residual += x (in place, optional); rmsnorm(...) * weight");
   m.def("rotary", &rotary, "rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("scale_rows_int8", &scale_rows_int8,
-        "(x * qmax / max|x| per row as float32, max|x| / qmax per row): per-token int8 range");
   m.def("argmax_rows", &argmax_rows, "index of the largest value of each row (first on ties)");
+  bind_int8_linear(m);  // where torch has fbgemm (x86-64)
 }

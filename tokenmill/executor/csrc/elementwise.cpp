@@ -76,39 +76,7 @@ void silu_and_mul_rows(T* out, const T* gate_up, int64_t rows, int64_t dim) {
   });
 }
 
-// per-token int8 range: out = x * qmax / max|x| (float32), scale = max|x| / qmax, so that
-// round(out) is x's symmetric quantization to [-qmax, qmax] and out * scale is x again
-template <typename T>
-void scale_rows_int8_range(float* out, float* scales, const T* x, int64_t rows, int64_t dim, int64_t stride,
-                           float qmax) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* o = out + r * dim;
-      load_row(x + r * stride, o, dim);
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::abs(o[i]));
-      const float scale = amax > 0.f ? amax / qmax : 1.f;
-      const float inv = 1.f / scale;
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
-      scales[r] = scale;
-    }
-  });
-}
-
 }  // namespace
-
-std::vector<torch::Tensor> scale_rows_int8(torch::Tensor x, double qmax) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "scale_rows_int8: x must be [rows, dim] with contiguous rows");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options().dtype(torch::kFloat32));
-  auto scales = torch::empty({x.size(0), 1}, x.options().dtype(torch::kFloat32));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "scale_rows_int8", [&] {
-    scale_rows_int8_range<scalar_t>(out.data_ptr<float>(), scales.data_ptr<float>(), x.data_ptr<scalar_t>(),
-                                    x.size(0), x.size(1), x.stride(0), static_cast<float>(qmax));
-  });
-  return {out, scales};
-}
 
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, dim] with contiguous rows");

@@ -4,14 +4,16 @@ token (symmetric, dynamic), the GEMM in fbgemm.
 The GEMM was picked by measurement (benchmarks/int8_gemm.py, a 2-core AVX2 CPU without
 VNNI): fbgemm ran the engine's shapes 1.3-7.9x faster than the fp32 dense layer, while
 oneDNN's qlinear (0.1-1.3x) and torch._int_mm (0.01-0.15x) were slower than dense.
-fbgemm quantizes its input with one scale for the whole tensor, so each token's row is
-first scaled to the quantized range by a native kernel (x * qmax / max|x|, the row's scale
-kept); fbgemm then rounds it with scale 1 (zero point qmax + 1, its unsigned form), and
-the output is multiplied back by the row scales: per-token quantization through a
-per-tensor GEMM. Without VNNI, fbgemm multiplies u8 x s8 pairs into int16 sums, which
-saturate with 8-bit activations (4% off on plain inputs); there activations take 7 bits
-(qmax 63, PyTorch's reduce_range), which is exact integer arithmetic again and closer to
-float (1% off). With AVX512-VNNI the sums are int32 and activations keep 8 bits.
+The native kernels call fbgemm directly (csrc/int8_linear.cpp): each token's row is
+quantized, the GEMM runs on one column part per thread and each part rescales its own
+columns, in one op. Without them, torch's quantized op does the GEMM: it quantizes its
+input with one scale for the whole tensor, so each row is first scaled to the quantized
+range (the row's scale kept), fbgemm rounds it with scale 1 (zero point qmax + 1, its
+unsigned form), and the output is multiplied back by the row scales.
+Without VNNI, fbgemm multiplies u8 x s8 pairs into int16 sums, which saturate with 8-bit
+activations (4% off on plain inputs); there activations take 7 bits (qmax 63, PyTorch's
+reduce_range), which is exact integer arithmetic again and closer to float (1% off). With
+AVX512-VNNI the sums are int32 and activations keep 8 bits.
 """
 
 from __future__ import annotations
@@ -56,10 +58,8 @@ def activation_qmax() -> int:
     return 127 if "avx512_vnni" in flags else 63
 
 
-def scale_rows(x: torch.Tensor, kernels: ModuleType | None, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_rows(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x scaled to [-qmax, qmax] per row, float32; the rows' scales [T, 1])."""
-    if kernels is not None and x.stride(-1) == 1:
-        return kernels.scale_rows_int8(x, qmax)
     amax = x.float().abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
     return x.float() / scale, scale
@@ -72,10 +72,11 @@ class Int8LinearMethod:
 
     def __init__(self, kernels: ModuleType | None, qmax: int | None = None) -> None:
         self.kernels = kernels
+        self.native = kernels is not None and hasattr(kernels, "int8_linear")  # else torch's quantized op
         self.qmax = qmax or activation_qmax()
 
     def create_weights(self, layer: nn.Module) -> None:
-        layer.packed_int8 = None
+        layer.packed_int8 = None  # the native kernels' Int8Weight, else torch's fbgemm packing
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scale = quantize_per_channel(layer.weight.detach())
@@ -83,16 +84,21 @@ class Int8LinearMethod:
 
     def pack(self, layer: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         """fbgemm's packed form of an int8 weight and its per-channel scales."""
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        if self.native:
+            layer.packed_int8 = self.kernels.int8_pack(qweight, scale, self.qmax)
+            return
         torch.backends.quantized.engine = "fbgemm"
         zero_points = torch.zeros(len(scale), dtype=torch.int64)
         with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; fbgemm still takes them
             warnings.simplefilter("ignore", UserWarning)
             q = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero_points, 0)
         layer.packed_int8 = torch.ops.quantized.linear_prepack(q, None)
-        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        scaled, row_scale = scale_rows(x, self.kernels, self.qmax)
+        if self.native:
+            return self.kernels.int8_linear(x.contiguous(), layer.packed_int8, layer.bias)
+        scaled, row_scale = scale_rows(x, self.qmax)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(scaled, 1.0, self.qmax + 1,
                                                                               layer.packed_int8)
         y = y.mul_(row_scale)
