@@ -30,7 +30,8 @@ int8    W8A8 INT8 (quantization="int8", made on load) vs the 16-bit model (bf16 
         has it natively, else float32: what `dtype="auto"` runs), output tokens/s, rounds in
         turn: the 56M model with the hf workload (64 requests, 32..256 in and out), and a
         wide dummy model (hidden 2048, intermediate 5632, 16 heads, 8 KV heads, 4 layers,
-        vocab 32000) with 32 requests, 32..128 in and out. Targets: >= 1.5x and >= 1.6x.
+        vocab 32000) with 32 requests, 32..128 in and out. Targets: >= 1.5x and >= 1.6x. Then
+        one run each with timers on the linear layers: the Amdahl bound on the ratio.
 kv      8-bit KV cache (kv_cache_dtype int8 and fp8) vs the 16-bit cache under a KV budget
         that holds half the workload in bfloat16: the hf workload on the 56M model (model
         dtype auto), output tokens/s, rounds in turn. The 16-bit run gets the token capacity
@@ -52,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import cpu_quant  # the int8 and kv sections (this folder; python puts a script's folder on its path)
 import torch
 
 from tokenmill import LLM
@@ -270,74 +272,6 @@ def bench_structured(path: Path, args) -> dict:
     return out
 
 
-SHAPE_WIDE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)
-
-
-def bench_int8(path: Path, args) -> dict:
-    from transformers import LlamaConfig
-
-    wide = path.parent / "llama-wide"
-    LlamaConfig(**SHAPE_WIDE, bos_token_id=0, eos_token_id=0).save_pretrained(wide)
-    copy_tokenizer(wide)
-    cases = (("56m", path, {}, random_requests(64, (32, 256), (32, 256), SHAPE_56M["vocab_size"], seed=0)),
-             ("wide", wide, {"load_format": "dummy"}, random_requests(32, (32, 128), (32, 128), 32000, seed=1)))
-    out = {}
-    for name, model, load, requests in cases:
-        runs = {"16-bit": [], "int8": []}
-        llms = {"16-bit": LLM(str(model), **load), "int8": LLM(str(model), quantization="int8", **load)}
-        dtype = str(llms["16-bit"].engine.dtype).removeprefix("torch.")
-        for llm in llms.values():
-            run_throughput(llm, requests[:4], use_tqdm=False)  # warm-up
-        for _ in range(args.int8_rounds):
-            for key, llm in llms.items():
-                runs[key].append(run_throughput(llm, requests, use_tqdm=False).output_throughput)
-        ratios = [b / a for a, b in zip(runs["16-bit"], runs["int8"])]
-        ratio = statistics.median(ratios)
-        target = 1.5 if name == "56m" else 1.6
-        print(f"[int8] {name} model, {len(requests)} requests: {statistics.median(runs['16-bit']):.0f} tok/s in "
-              f"{dtype}, {statistics.median(runs['int8']):.0f} with W8A8 int8: {ratio:.2f}x (median of "
-              f"{len(ratios)} rounds; target {target}x)")
-        out[name] = {"dtype": dtype, **runs, "ratios": ratios, "ratio": ratio, "target": target}
-        del llms
-        gc.collect()
-    return out
-
-
-def bench_kv(path: Path, args) -> dict:
-    requests = random_requests(64, (32, 256), (32, 256), SHAPE_56M["vocab_size"], seed=0)
-    probe = LLM(str(path), kv_cache_memory="1MiB")
-    mc, dtype = probe.engine.model_config, probe.engine.dtype
-    del probe
-    tokens = sum(r.prompt_len + r.output_len for r in requests)
-    bf16_budget = tokens * mc.kv_bytes_per_token(torch.bfloat16) // 2
-    configs = {"16-bit": dict(kv_cache_memory=bf16_budget * dtype.itemsize // 2),
-               "int8": dict(kv_cache_memory=bf16_budget, kv_cache_dtype="int8"),
-               "fp8": dict(kv_cache_memory=bf16_budget, kv_cache_dtype="fp8")}
-    llms = {k: LLM(str(path), **c) for k, c in configs.items()}
-    for llm in llms.values():
-        run_throughput(llm, requests[:4], use_tqdm=False)  # warm-up
-    runs = {k: [] for k in llms}
-    preemptions = {}
-    for _ in range(args.kv_rounds):
-        for key, llm in llms.items():
-            before = llm.engine.scheduler.num_preemptions
-            runs[key].append(run_throughput(llm, requests, use_tqdm=False).output_throughput)
-            preemptions[key] = llm.engine.scheduler.num_preemptions - before
-            llm.engine.kv_cache.reset_prefix_cache()
-    out = {"workload_kv_tokens": tokens, "bf16_budget_bytes": bf16_budget, "dtype": str(dtype)}
-    for key, llm in llms.items():
-        capacity = llm.engine.kv_capacity_tokens
-        ratios = [b / a for a, b in zip(runs["16-bit"], runs[key])]
-        out[key] = {"runs": runs[key], "capacity_tokens": capacity, "preemptions_last_round": preemptions[key],
-                    "ratio": statistics.median(ratios)}
-        print(f"[kv] {key:>6} cache ({str(llm.engine.runner.kv_cache_dtype).removeprefix('torch.')}): "
-              f"{capacity} tokens of the workload's {tokens}, {statistics.median(runs[key]):.0f} tok/s, "
-              f"{preemptions[key]} preemptions a round; {out[key]['ratio']:.2f}x the 16-bit cache "
-              f"(median of {len(ratios)} rounds; target 1.3x)")
-    return out
-
-
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -387,7 +321,8 @@ def main() -> None:
             results[name] = {"hf": bench_hf, "static": bench_static, "prefix": bench_prefix,
                              "prompts": bench_prompts, "memory": bench_memory,
                              "penalties": bench_penalties, "parallel": bench_parallel,
-                             "structured": bench_structured, "int8": bench_int8, "kv": bench_kv}[name](path, args)
+                             "structured": bench_structured, "int8": cpu_quant.bench_int8,
+                             "kv": cpu_quant.bench_kv}[name](path, args)
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(results, indent=2))
     print(f"results written to {args.output_json}")

@@ -1,4 +1,5 @@
-"""The benchmark's step timeline (tokenmill/bench/steps.py) on a real tiny engine."""
+"""The benchmarks' step timeline (tokenmill/bench/steps.py) and linear-time split
+(bench/offline.py) on a real tiny engine."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def test_timeline_counts_every_step_and_its_parts_add_up(checkpoints):
     # the runner's own methods again once the timeline is left
     assert runner.launch.__func__ is ModelRunner.launch and runner.finish.__func__ is ModelRunner.finish
     assert runner._forward.__func__ is ModelRunner._forward
+
+
+def test_linear_time_split_times_each_part_and_lets_go(checkpoints):
+    """The int8 benchmark's Amdahl split (bench/offline.py): every part gets time, the parts
+    add up to the run, and the layers run their class's forward again afterwards."""
+    from tokenmill.bench.offline import linear_time_split
+    from tokenmill.executor.layers.linear import Linear
+
+    llm = LLM(str(checkpoints("llama")), device="cpu", dtype="float32", max_num_seqs=4)
+    split = linear_time_split(llm, random_requests(4, (5, 20), (3, 9), 200, seed=2))
+    assert split["layers"] > 0 and split["lm_head"] > 0 and split["rest"] > 0
+    assert abs(split["layers"] + split["lm_head"] + split["rest"] - split["total"]) < 1e-9
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all("forward" not in vars(m) for m in linears)

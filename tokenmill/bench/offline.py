@@ -62,3 +62,32 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], use_tqdm: bool = True
         num_steps=engine.total_steps - steps0,
         num_preemptions=engine.scheduler.num_preemptions - preempt0,
     )
+
+
+def linear_time_split(llm: LLM, requests: list[BenchRequest]) -> dict[str, float]:
+    """One run of the requests with a timer around every linear layer: seconds in the decoder
+    layers' linears, in the LM head, and in everything else (attention, norms, sampling, the
+    step's Python), for an Amdahl bound on what faster linears can give. The CPU runs ops
+    as they are called, so the timers see each layer's whole cost."""
+    from tokenmill.executor.layers.linear import Linear
+
+    seconds = {"layers": 0.0, "lm_head": 0.0}
+    timed = []
+    for name, module in llm.engine.runner.model.named_modules():
+        if isinstance(module, Linear):
+            part = "lm_head" if name.endswith("lm_head") else "layers"
+
+            def forward(x, call=module.forward, part=part):
+                t = time.perf_counter()
+                y = call(x)
+                seconds[part] += time.perf_counter() - t
+                return y
+
+            module.forward = forward
+            timed.append(module)
+    try:
+        elapsed = run_throughput(llm, requests, use_tqdm=False).elapsed_s
+    finally:
+        for module in timed:
+            del module.forward  # back to the class's forward
+    return {**seconds, "rest": elapsed - seconds["layers"] - seconds["lm_head"], "total": elapsed}
