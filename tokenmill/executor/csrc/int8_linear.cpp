@@ -109,9 +109,10 @@ std::shared_ptr<Int8Weight> int8_pack(torch::Tensor weight, torch::Tensor scale,
   w->qmax = qmax;
   auto s = scale.to(torch::kFloat32).contiguous();
   w->scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + s.numel());
-  auto sums = weight.to(torch::kInt32).sum(1).contiguous();
+  const auto sums = weight.to(torch::kInt64).sum(1).contiguous();  // |sum| <= 127 K: int32 holds it times 128
+  const int64_t* sum = sums.data_ptr<int64_t>();
   w->offset.resize(w->out_features);
-  for (int64_t n = 0; n < w->out_features; ++n) w->offset[n] = static_cast<int32_t>((qmax + 1) * sums[n].item<int64_t>());
+  for (int64_t n = 0; n < w->out_features; ++n) w->offset[n] = static_cast<int32_t>((qmax + 1) * sum[n]);
   // one part per thread, in whole 64-column blocks
   const int64_t parts = std::max<int64_t>(1, at::get_num_threads());
   const int64_t per = ((w->out_features + parts - 1) / parts + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
