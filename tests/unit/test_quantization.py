@@ -39,6 +39,8 @@ def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, kernels, outlier)
     x[:, 3] *= outlier  # an outlier channel, as real activations have
     bias = torch.randn(n, generator=gen)
     method = Int8LinearMethod(load_cpu_kernels() if kernels else None)
+    if kernels and not method.native:
+        pytest.skip("no native int8 kernels")
     layer = Linear(k, n, bias=True, quant_method=method)
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(bias)
@@ -56,28 +58,44 @@ def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, kernels, outlier)
 
 
 def test_native_int8_linear_dtypes_and_shapes():
-    """bf16 rows in and out, rows with a stride, a layer without bias and no rows at all; the
-    columns come in parts, one per thread (200 columns: parts of 128 and 72 on two threads)."""
+    """float32, bf16 and fp16 rows in and out, rows with a stride (read in place), more rows
+    than fbgemm's row block (120 on AVX2), a width not a multiple of 4, an all-zero row,
+    tiny rows, a bias, and no rows at all; packed with two threads, the columns come in two
+    parts (200 columns: 128 and 72)."""
     kernels = load_cpu_kernels()
     if kernels is None or not hasattr(kernels, "int8_linear"):
         pytest.skip("no native int8 kernels")
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(200, 96, generator=gen) * 0.05
+    w = torch.randn(200, 99, generator=gen) * 0.05
+    bias = torch.randn(200, generator=gen)
     method = Int8LinearMethod(kernels)
-    layer = Linear(96, 200, quant_method=method)
+    layer = Linear(99, 200, bias=True, quant_method=method)
     layer.weight.data.copy_(w)
-    layer.pack()
-    wide = torch.randn(6, 150, generator=gen)
-    x = wide[:, 10:106]  # rows 150 apart
-    exact = exact_w8a8(x, w, method.qmax)
-    assert (layer(x) - exact).norm() / exact.norm() < 1e-4
-    y16 = layer(x.to(torch.bfloat16))
-    assert y16.dtype == torch.bfloat16
-    exact16 = exact_w8a8(x.to(torch.bfloat16).float(), w, method.qmax)
-    assert (y16.float() - exact16).norm() / exact16.norm() < 1e-2  # bf16's own rounding of the output
-    assert layer(torch.empty(0, 96)).shape == (0, 200)
+    layer.bias.data.copy_(bias)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        layer.pack()
+    finally:
+        torch.set_num_threads(threads)
+    wide = torch.randn(130, 150, generator=gen)
+    wide[7] = 0.0
+    wide[8] *= 1e-38
+    x = wide[:, 10:109]  # rows 150 apart
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        xd = x.to(dtype) if dtype != torch.float32 else x
+        layer.bias.data = bias.to(dtype)
+        y = layer(xd)
+        assert y.dtype == dtype and y.shape == (130, 200)
+        rows = [r for r in range(130) if r not in (7, 8)]  # the reference divides by a zero scale there
+        exact = exact_w8a8(xd[rows].float(), w, method.qmax) + bias.to(dtype).float()
+        assert (y[rows].float() - exact).norm() / exact.norm() < tol  # the 16-bit output's own rounding
+        torch.testing.assert_close(y[7].float(), bias.to(dtype).float())  # a zero row gives the bias
+        assert torch.isfinite(y[8]).all()
+    layer.bias.data = bias
+    assert layer(torch.empty(0, 99)).shape == (0, 200)
     with pytest.raises(RuntimeError, match="in_features"):
-        layer(torch.randn(2, 95))
+        layer(torch.randn(2, 98))
 
 
 def test_engine_with_int8_stays_close_to_float():

@@ -50,7 +50,8 @@ void quantize_rows(const T* x, int64_t stride, int64_t rows, int64_t dim, float 
       float amax = 0.f;
 #pragma omp simd reduction(max : amax)
       for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::abs(row[i]));
-      const float scale = amax > 0.f ? amax / qmax : 1.f;
+      // floored so that 1 / scale stays finite for rows of tiny values
+      const float scale = amax > 0.f ? std::max(amax / qmax, std::numeric_limits<float>::min()) : 1.f;
       const float inv = 1.f / scale;
       uint8_t* out = q + r * dim;
 #pragma omp simd

@@ -97,7 +97,7 @@ class Int8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return self.kernels.int8_linear(x.contiguous(), layer.packed_int8, layer.bias)
+            return self.kernels.int8_linear(x if x.stride(-1) == 1 else x.contiguous(), layer.packed_int8, layer.bias)
         scaled, row_scale = scale_rows(x, self.qmax)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(scaled, 1.0, self.qmax + 1,
                                                                               layer.packed_int8)
