@@ -38,10 +38,10 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
 
 
-def check(dtype, query_lens, seq_lens, heads, kv_heads, dim, block_size, num_splits=None, seed=0):
+def check(dtype, query_lens, seq_lens, heads, kv_heads, dim, block_size, num_splits=None, seed=0, kv_dtype=None):
     out, ref, backend = run_backend(triton_backend(num_splits), dtype, query_lens, seq_lens, seed=seed, heads=heads,
                                     kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"),
-                                    device=DEVICE)
+                                    device=DEVICE, kv_dtype=kv_dtype)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
     return backend
@@ -74,13 +74,52 @@ def test_long_chunk_after_prefix_hit(poisoned_outputs):
     check(torch.float32, [70, 1], [200, 31], heads=2, kv_heads=1, dim=16, block_size=16, seed=2)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_cache(poisoned_outputs, dtype, kv_dtype):
+    """An 8-bit cache (kv_cache_dtype): the write kernel quantizes each new row as
+    kv_cache.quantize_rows does, and both attention kernels read the cache in place; the
+    reference attends to K/V as the cache gives them back. Mixed steps, GQA and split decodes.
+    The interpreter rounds float32 to fp8 wrongly (next to a power of two), so fp8 runs on a GPU only."""
+    if kv_dtype != torch.int8 and DEVICE != "cuda":
+        pytest.skip("fp8 stores need a GPU (the interpreter's fp8 rounding is wrong)")
+    backend = check(dtype, *MIXED, heads=8, kv_heads=2, dim=32, block_size=16, seed=3, kv_dtype=kv_dtype)
+    assert backend.kv_cache.quantized and backend.plan.chunks is not None
+    check(dtype, *DECODES, heads=8, kv_heads=2, dim=64, block_size=16, num_splits=3, seed=4, kv_dtype=kv_dtype)
+
+
+def test_quantized_write_matches_quantize_rows():
+    """The write kernel's int8 rows and scales equal kv_cache.quantize_rows' (ties to even, a
+    row of zeros with scale 1), and slot -1 is skipped."""
+    from tokenmill.executor.attention.kv_cache import quantize_rows
+
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(4, 2, 16, generator=gen) * 3
+    k[1, 0] = 0.0
+    k[2, 1, :2] = torch.tensor([127.0, 0.5])  # x / s = 0.5 exactly: rounds to 0
+    cache = KVCache.allocate(1, 32, 2, 16, torch.int8, torch.device(DEVICE))
+    k_cache, v_cache, k_scales, v_scales = cache.layer(0)
+    k = k.to(DEVICE)
+    slots = torch.tensor([3, 9, 20, -1], device=DEVICE)
+    triton_attention._write_kv[(4, 2)](k, -k, k_cache, v_cache, k_scales, v_scales, slots, k.stride(0), k.stride(1),
+                                       k.stride(0), k.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                       HEAD_DIM=16, D_PAD=16, QMAX=127.0, ROUND=True)
+    want, want_scale = quantize_rows(k[:3].cpu(), torch.int8)
+    assert torch.equal(k_cache[[3, 9, 20]].cpu(), want) and torch.equal(v_cache[[3, 9, 20]].cpu(), -want)
+    torch.testing.assert_close(k_scales[[3, 9, 20]].cpu(), want_scale, rtol=0, atol=0)
+    assert want[2, 1, 1] == 0 and want_scale[1, 0] == 1.0
+    assert k_cache.view(32, -1).abs().sum(1).nonzero().flatten().tolist() == [3, 9, 20]
+
+
 def test_padding_tokens_are_not_written():
     """slot -1 (a CUDA-graph padding row) leaves the cache as it was."""
     cache = torch.zeros(1, 2, 64, 2, 16, device=DEVICE)
     backend = TritonBackend(KVCache(cache), 16, 2)
     k = torch.ones(3, 2, 16, device=DEVICE)
     slots = torch.tensor([5, -1, 7], device=DEVICE)
-    triton_attention._write_kv[(3, 2)](k, k * 2, cache[0, 0], cache[0, 1], slots, k.stride(0), k.stride(1),
+    triton_attention._write_kv[(3, 2)](k, k * 2, cache[0, 0], cache[0, 1], cache[0, 0], cache[0, 1], slots,
+                                       k.stride(0), k.stride(1),
                                        k.stride(0), k.stride(1), cache[0, 0].stride(0), cache[0, 0].stride(1),
                                        HEAD_DIM=16, D_PAD=16)
     written = cache[0, 0].abs().sum(dim=(1, 2)).nonzero().flatten().tolist()

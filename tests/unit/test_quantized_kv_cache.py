@@ -166,10 +166,19 @@ def test_prefix_hits_read_the_quantized_blocks_again(checkpoints):
 def test_bad_kv_cache_dtype_names_the_field(checkpoints):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp4")
+
+
+def test_triton_backend_on_the_int8_cache_gives_the_cpu_backends_tokens(quantized_run, checkpoints, hf_reference):
+    """attention_backend='triton' (under the interpreter here) writes and reads the int8 cache
+    as the CPU backend does: close to transformers wherever it diverges, and the CPU backend's
+    tokens (the same cache values; only the order of the sums differs)."""
     pytest.importorskip("triton")
-    from tokenmill.executor.attention.base import select_attention_backend
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported by attention_backend='triton'"):
-        select_attention_backend("triton", torch.device("cpu"), torch.float32, 16, 16, "int8")
+    llm, ours = generate(checkpoints("llama"), kv_cache_dtype="int8", attention_backend="triton")
+    assert llm.engine.runner.attn.name == "triton" and llm.engine.runner.kv_cache.quantized
+    assert_close_outputs(hf_reference("llama"), ours, "llama kv int8, triton")
+    cpu = [o.outputs[0].token_ids for o in quantized_run("int8")]
+    same = sum(a == b for o, c in zip(ours, cpu) for a, b in zip(o.outputs[0].token_ids, c))
+    assert same / sum(len(c) for c in cpu) >= 0.95
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

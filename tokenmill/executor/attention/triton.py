@@ -28,7 +28,9 @@ Work split:
   still fill the GPU; `_merge_splits` combines the partial results by their
   log-sum-exp. The grid depends only on the batch, so CUDA graphs capture it.
 Bound: both attention kernels read K/V once per (request, kv head, query tile),
-so decode is bound by the cache bytes over HBM bandwidth.
+so decode is bound by the cache bytes over HBM bandwidth, which an 8-bit cache
+(kv_cache_dtype; kv_cache.py's layout) halves: `_write_kv` quantizes each row, `_attend`
+reads it in place (the interpreter rounds to fp8 wrongly: CI tests int8 only).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.executor.attention.base import AttentionMetadata, ToDevice, default_to_device
-from tokenmill.executor.attention.kv_cache import KVCache
+from tokenmill.executor.attention.kv_cache import QMAX, KVCache
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_HEAD_DIM = 256
@@ -51,8 +53,22 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-              stride_slot, stride_head, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _quantize_row(x, QMAX: tl.constexpr, ROUND: tl.constexpr):
+    """(x / s within +-QMAX, s = max|x| / QMAX) as kv_cache.quantize_rows; ROUND: to the
+    nearest integer, ties to even (int8; an fp8 store rounds by itself)."""
+    amax = tl.max(tl.abs(x), 0)
+    s = tl.where(amax > 0, tl.maximum(amax / QMAX, 1.1754943508222875e-38), 1.0)
+    y = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
+    if ROUND:
+        r = tl.floor(y + 0.5)
+        y = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)
+    return y, s
+
+
+@triton.jit
+def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, stride_kt, stride_kh,
+              stride_vt, stride_vh, stride_slot, stride_head, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+              QMAX: tl.constexpr = 0.0, ROUND: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -60,16 +76,27 @@ def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, strid
         offs_d = tl.arange(0, D_PAD)
         mask = offs_d < HEAD_DIM
         dst = slot * stride_slot + h * stride_head + offs_d
-        tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d, mask=mask), mask=mask)
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d, mask=mask, other=0.0)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d, mask=mask, other=0.0)
+        if QMAX > 0:
+            k, ks = _quantize_row(k.to(tl.float32), QMAX, ROUND)
+            v, vs = _quantize_row(v.to(tl.float32), QMAX, ROUND)
+            heads = stride_slot // stride_head
+            tl.store(k_scale_ptr + slot * heads + h, ks)
+            tl.store(v_scale_ptr + slot * heads + h, vs)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, lo, hi,
-            scale_log2, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr,
+            kv_head, lo, hi, scale_log2, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            QUANT: tl.constexpr):
     """Online softmax of the rows q over keys [lo, hi) of one context; a row sees key j
-    when j <= its position. m_i and the scores are in log2 units."""
+    when j <= its position. m_i and the scores are in log2 units. QUANT: an 8-bit cache,
+    read in place: its values widen exactly to q's dtype, each key's scale multiplies its
+    scores and each value's scale its probabilities."""
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
     for start in range(lo, hi, TILE_N):
@@ -81,10 +108,19 @@ def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        if UPCAST:
+        if QUANT:
+            heads = stride_slot // stride_head
+            k_scale = tl.load(k_scale_ptr + slot * heads + kv_head, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + slot * heads + kv_head, mask=n_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if QUANT:
+            s = s * k_scale[None, :]
+        s = s * scale_log2
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :] & row_valid[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -92,17 +128,20 @@ def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, table_
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        pv = p * v_scale[None, :] if QUANT else p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def _chunk_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, work_req_ptr, work_q0_ptr,
+def _chunk_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr,
+                     work_req_ptr, work_q0_ptr,
                      query_start_loc_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                      stride_bt, stride_slot, stride_head, G: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     QUANT: tl.constexpr):
     work = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(work_req_ptr + work)
@@ -128,20 +167,21 @@ def _chunk_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     hi = context_len + tl.minimum(q0 + BLOCK_Q, query_len)  # the tile's last query sees up to here
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, context_len + tok, row_valid, k_cache_ptr, v_cache_ptr,
-                            block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, 0, hi, scale_log2,
-                            stride_slot, stride_head, BLOCK_SIZE, TILE_N, HEAD_DIM, D_PAD, UPCAST, PRECISION)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, context_len + tok, row_valid, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                            v_scale_ptr, block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, 0, hi, scale_log2,
+                            stride_slot, stride_head, BLOCK_SIZE, TILE_N, HEAD_DIM, D_PAD, UPCAST, PRECISION, QUANT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
-def _decode_attention(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr,
-                      rows_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
+def _decode_attention(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                      v_scale_ptr, block_table_ptr, rows_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
                       stride_oh, stride_bt, stride_slot, stride_head, G: tl.constexpr, BLOCK_M: tl.constexpr,
                       NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      QUANT: tl.constexpr):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -166,9 +206,9 @@ def _decode_attention(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1  # the decode sees its whole context
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr,
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                             block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, lo, hi, scale_log2,
-                            stride_slot, stride_head, BLOCK_SIZE, TILE_N, HEAD_DIM, D_PAD, UPCAST, PRECISION)
+                            stride_slot, stride_head, BLOCK_SIZE, TILE_N, HEAD_DIM, D_PAD, UPCAST, PRECISION, QUANT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -235,8 +275,6 @@ class TritonBackend:
 
     def __init__(self, kv_cache: KVCache, block_size: int, num_heads: int, to_device: ToDevice | None = None,
                  num_splits: int | None = None) -> None:
-        if kv_cache.quantized:  # check() refuses it first; a direct construction is told too
-            raise ValueError(f"attention_backend='triton' has no quantized KV cache ({kv_cache.dtype})")
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.kv_heads, self.head_dim = kv_cache.kv_heads, kv_cache.head_dim
@@ -245,9 +283,8 @@ class TritonBackend:
         self.to_device = to_device or default_to_device(kv_cache.device)
         self.d_pad = max(16, _pow2(self.head_dim))
         self.scale_log2 = self.head_dim ** -0.5 * LOG2E
-        self.upcast = INTERPRET and kv_cache.dtype == torch.bfloat16
-        # float32 must not drop to tf32 (parity); 16-bit operands take the default
-        self.precision = "ieee" if kv_cache.dtype == torch.float32 else None
+        # an 8-bit cache: x / s stored in 8 bits, s per (slot, kv head) beside it (kv_cache.py)
+        self.qmax = QMAX.get(kv_cache.dtype, 0.0)
         # a decode's rows are its G heads, padded to the 16 rows a tl.dot needs at least
         self.decode_block_m = max(16, _pow2(self.group))
         # a chunk tile: BLOCK_Q tokens x G heads; small tiles keep the interpreter fast
@@ -270,9 +307,10 @@ class TritonBackend:
     @classmethod
     def check(cls, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int,
               kv_cache_dtype: str = "auto") -> None:
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by attention_backend='triton' "
-                             f"(supported: auto); a quantized KV cache runs on the CPU backends, 'cpu' and 'torch'")
+        if kv_cache_dtype.startswith("fp8") and device.type == "cuda" \
+                and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with attention_backend='triton' needs a GPU with "
+                             f"fp8 (compute capability 8.9 or later: Ada, Hopper); supported here: auto, int8")
         if device.type != "cuda" and not INTERPRET:
             raise ValueError(f"attention_backend='triton' needs a CUDA device (this engine runs on {device.type}); "
                              f"on the CPU it runs only under Triton's interpreter, TRITON_INTERPRET=1, for tests")
@@ -324,19 +362,25 @@ class TritonBackend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         plan = self.plan
         md = plan.md
-        k_cache, v_cache, _, _ = self.kv_cache.layer(layer)
+        k_cache, v_cache, k_scales, v_scales = self.kv_cache.layer(layer)
+        quant = k_scales is not None
+        if not quant:  # pointers the kernels never read
+            k_scales = v_scales = k_cache
         stride_slot, stride_head = k_cache.stride(0), k_cache.stride(1)
-        _write_kv[(len(k), self.kv_heads)](k, v, k_cache, v_cache, md.slot_mapping, k.stride(0), k.stride(1),
-                                           v.stride(0), v.stride(1), stride_slot, stride_head,
-                                           HEAD_DIM=self.head_dim, D_PAD=self.d_pad)
+        _write_kv[(len(k), self.kv_heads)](k, v, k_cache, v_cache, k_scales, v_scales, md.slot_mapping, k.stride(0),
+                                           k.stride(1), v.stride(0), v.stride(1), stride_slot, stride_head,
+                                           HEAD_DIM=self.head_dim, D_PAD=self.d_pad, QMAX=self.qmax,
+                                           ROUND=k_cache.dtype == torch.int8)
         out = torch.empty_like(q)
+        # float32 must not drop to tf32 (parity); 16-bit operands take the default
         common = dict(BLOCK_SIZE=self.block_size, TILE_N=self.tile_n, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
-                      UPCAST=self.upcast, PRECISION=self.precision, num_warps=self.num_warps,
+                      UPCAST=INTERPRET and q.dtype == torch.bfloat16, QUANT=quant,
+                      PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=self.num_warps,
                       num_stages=self.num_stages)
         if plan.chunks is not None:
             work = plan.chunks
             _chunk_attention[(len(work.req), self.kv_heads)](
-                out, q, k_cache, v_cache, md.block_table, work.req, work.q0, md.query_start_loc, md.seq_lens,
+                out, q, k_cache, v_cache, k_scales, v_scales, md.block_table, work.req, work.q0, md.query_start_loc, md.seq_lens,
                 self.scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_table.stride(0),
                 stride_slot, stride_head, G=self.group, BLOCK_M=self.chunk_block_m, BLOCK_Q=self.chunk_block_q,
                 **common)
@@ -344,7 +388,7 @@ class TritonBackend:
             d = plan.decodes
             n = len(d.rows)
             _decode_attention[(n, self.kv_heads, d.num_splits)](
-                out, d.part_out, d.part_lse, q, k_cache, v_cache, md.block_table, d.rows, md.query_start_loc,
+                out, d.part_out, d.part_lse, q, k_cache, v_cache, k_scales, v_scales, md.block_table, d.rows, md.query_start_loc,
                 md.seq_lens, self.scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 md.block_table.stride(0), stride_slot, stride_head, G=self.group, BLOCK_M=self.decode_block_m,
                 NUM_SPLITS=d.num_splits, **{**common, "TILE_N": self.decode_tile_n})
