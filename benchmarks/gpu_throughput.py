@@ -22,7 +22,7 @@ qwen3        the shape of Qwen3-0.6B's config (hidden 1024, 28 layers, 16 heads,
              launches, its waits for sampled ids, and the rest of the host's work, so a run
              that is device-bound, host-bound or serialized shows which.
 fp8          the qwen3 run with quantization="fp8" (W8A8 through torch._scaled_mm) against bf16,
-             both with CUDA graphs.
+             both with CUDA graphs; then with kv_cache_dtype="fp8" (the Triton kernels read it in place).
 fp8_quality  benchmarks/quant_quality.py --schemes fp8: the built-in model's perplexity, greedy
              agreement and ast share against bf16.
 steps        decode step time at batch 1, 64 and 256 (contexts of 512 tokens) against the
@@ -298,6 +298,9 @@ class Bench:
         ratio = fp8["output_throughput"] / base["output_throughput"]
         self.rows.append(("FP8 W8A8 (graphs): output tok/s, vs bf16", f"{fp8['output_throughput']:,.0f}, "
                           f"{ratio:.2f}x", ">= 1.4x (H100)"))
+        kv = self.throughput("tokenmill_kv_fp8", self.shape, kv_cache_dtype="fp8")
+        self.rows.append(("fp8 KV cache (graphs): output tok/s, vs bf16", f"{kv['output_throughput']:,.0f}, "
+                          f"{kv['output_throughput'] / base['output_throughput']:.2f}x", ""))
 
     def fp8_quality(self) -> None:
         if not _cuda():
@@ -375,7 +378,7 @@ def main() -> None:
             args.dtype = "float32"
     only = set(args.only.split(","))
     # cost estimates (s) on an H100, so a section that cannot finish is skipped, not cut off
-    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 130), ("fp8", bench.fp8, 60),
+    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 130), ("fp8", bench.fp8, 110),
                            ("fp8_quality", bench.fp8_quality, 60), ("steps", bench.steps, 60),
                            ("profile", bench.profile, 40), ("hf", bench.hf, 170), ("hf_cb", bench.hf_cb, 150),
                            ("llama8b", bench.llama8b, 90)]:
