@@ -128,18 +128,18 @@ def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scal
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        pv = p * v_scale[None, :] if QUANT else p
-        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
+        if QUANT:
+            p = p * v_scale[None, :]  # (l_i has the unscaled sum)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
 def _chunk_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr,
-                     work_req_ptr, work_q0_ptr,
-                     query_start_loc_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
-                     stride_bt, stride_slot, stride_head, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                     work_req_ptr, work_q0_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2, stride_qt,
+                     stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_head, G: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      QUANT: tl.constexpr):
     work = tl.program_id(0)
@@ -177,9 +177,9 @@ def _chunk_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sc
 
 @triton.jit
 def _decode_attention(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                      v_scale_ptr, block_table_ptr, rows_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
-                      stride_oh, stride_bt, stride_slot, stride_head, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                      v_scale_ptr, block_table_ptr, rows_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2,
+                      stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_head, G: tl.constexpr,
+                      BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                       QUANT: tl.constexpr):
     i = tl.program_id(0)
@@ -364,8 +364,7 @@ class TritonBackend:
         md = plan.md
         k_cache, v_cache, k_scales, v_scales = self.kv_cache.layer(layer)
         quant = k_scales is not None
-        if not quant:  # pointers the kernels never read
-            k_scales = v_scales = k_cache
+        k_scales, v_scales = (k_scales, v_scales) if quant else (k_cache, v_cache)  # never read unless quant
         stride_slot, stride_head = k_cache.stride(0), k_cache.stride(1)
         _write_kv[(len(k), self.kv_heads)](k, v, k_cache, v_cache, k_scales, v_scales, md.slot_mapping, k.stride(0),
                                            k.stride(1), v.stride(0), v.stride(1), stride_slot, stride_head,
@@ -380,18 +379,19 @@ class TritonBackend:
         if plan.chunks is not None:
             work = plan.chunks
             _chunk_attention[(len(work.req), self.kv_heads)](
-                out, q, k_cache, v_cache, k_scales, v_scales, md.block_table, work.req, work.q0, md.query_start_loc, md.seq_lens,
-                self.scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_table.stride(0),
+                out, q, k_cache, v_cache, k_scales, v_scales, md.block_table, work.req, work.q0, md.query_start_loc,
+                md.seq_lens, self.scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                md.block_table.stride(0),
                 stride_slot, stride_head, G=self.group, BLOCK_M=self.chunk_block_m, BLOCK_Q=self.chunk_block_q,
                 **common)
         if plan.decodes is not None:
             d = plan.decodes
             n = len(d.rows)
             _decode_attention[(n, self.kv_heads, d.num_splits)](
-                out, d.part_out, d.part_lse, q, k_cache, v_cache, k_scales, v_scales, md.block_table, d.rows, md.query_start_loc,
-                md.seq_lens, self.scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                md.block_table.stride(0), stride_slot, stride_head, G=self.group, BLOCK_M=self.decode_block_m,
-                NUM_SPLITS=d.num_splits, **{**common, "TILE_N": self.decode_tile_n})
+                out, d.part_out, d.part_lse, q, k_cache, v_cache, k_scales, v_scales, md.block_table, d.rows,
+                md.query_start_loc, md.seq_lens, self.scale_log2, q.stride(0), q.stride(1), out.stride(0),
+                out.stride(1), md.block_table.stride(0), stride_slot, stride_head, G=self.group,
+                BLOCK_M=self.decode_block_m, NUM_SPLITS=d.num_splits, **{**common, "TILE_N": self.decode_tile_n})
             if d.num_splits > 1:
                 _merge_splits[(n, self.num_heads)](out, d.part_out, d.part_lse, d.rows, md.query_start_loc,
                                                    out.stride(0), out.stride(1), NUM_SPLITS=d.num_splits,
