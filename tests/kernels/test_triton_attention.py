@@ -76,7 +76,7 @@ def test_long_chunk_after_prefix_hit(poisoned_outputs):
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
                          ids=["int8", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_quantized_cache(poisoned_outputs, dtype, kv_dtype):
     """An 8-bit cache (kv_cache_dtype): the write kernel quantizes each new row as
     kv_cache.quantize_rows does, and both attention kernels read the cache in place; the

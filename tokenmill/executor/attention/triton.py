@@ -54,14 +54,16 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _quantize_row(x, QMAX: tl.constexpr, ROUND: tl.constexpr):
-    """(x / s within +-QMAX, s = max|x| / QMAX) as kv_cache.quantize_rows; ROUND: to the
-    nearest integer, ties to even (int8; an fp8 store rounds by itself)."""
+    """(x / s within +-QMAX, s = max|x| / QMAX) as kv_cache.quantize_rows, divisions rounded
+    as torch's; ROUND: to the nearest integer, ties to even (int8; an fp8 store rounds)."""
     amax = tl.max(tl.abs(x), 0)
-    s = tl.where(amax > 0, tl.maximum(amax / QMAX, 1.1754943508222875e-38), 1.0)
-    y = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
+    s = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, QMAX), 1.1754943508222875e-38), 1.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX)
     if ROUND:
-        r = tl.floor(y + 0.5)
-        y = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)
+        f = tl.floor(y)
+        d = y - f  # exact
+        up = (d > 0.5) | ((d == 0.5) & (f - 2.0 * tl.floor(f * 0.5) != 0.0))
+        y = tl.where(up, f + 1.0, f)
     return y, s
 
 
@@ -95,8 +97,8 @@ def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scal
             QUANT: tl.constexpr):
     """Online softmax of the rows q over keys [lo, hi) of one context; a row sees key j
     when j <= its position. m_i and the scores are in log2 units. QUANT: an 8-bit cache,
-    read in place: its values widen exactly to q's dtype, each key's scale multiplies its
-    scores and each value's scale its probabilities."""
+    read in place: keys widen exactly to q's dtype and their scales multiply the scores;
+    values are scaled in float32, then rounded to q's dtype."""
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
     for start in range(lo, hi, TILE_N):
@@ -113,7 +115,7 @@ def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scal
             k_scale = tl.load(k_scale_ptr + slot * heads + kv_head, mask=n_mask, other=0.0)
             v_scale = tl.load(v_scale_ptr + slot * heads + kv_head, mask=n_mask, other=0.0)
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)  # p * scale could underflow in fp16
         elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -128,8 +130,6 @@ def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scal
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT:
-            p = p * v_scale[None, :]  # (l_i has the unscaled sum)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
