@@ -9,7 +9,8 @@
 //            8 tokens' dot products are summed across lanes together (hsum8).
 //   softmax  over the context, then each probability times its V row's scale.
 //   p.v      the output tile (heads x a slice of head_dim) stays in 8 registers while the
-//            context streams past; each V row is widened once per slice.
+//            context streams past; each V row is widened once per slice. int8: in int32
+//            sums of int16 probabilities times the values (weigh_values_int).
 // fp8 widens through float16: e5m2 is a float16's upper byte; e4m3 (s eeee mmm) placed as
 // the float16 s0eeeemmm0000000 is the fp8 value / 256, subnormals included, so its rows'
 // scales are multiplied by 256.
@@ -77,16 +78,35 @@ struct Scratch {
   std::vector<int64_t> slot;                  // each context token's cache slot, padded to whole 8s (+kAhead)
   std::vector<int64_t> rows;                  // its row's element offset: slot * kv_heads * head_dim
   std::vector<float> k_scale, v_scale;        // each token's row scale (times kUnit) for this kv head
+  const float* ks_src = nullptr;              // 8-bit caches: this kv head's scales, slot i's at [i * kv_heads]
+  const float* vs_src = nullptr;
+  int64_t kv_heads = 0;
   std::vector<float> scores;                  // [NG][padded]
   std::vector<float> qf;                      // [NG][D], times the softmax scale
   std::vector<int16_t> qi;                    // int8 caches: qf rounded to int16, [NG][D]
   std::vector<float> acc;                     // [NG][D]
+  std::vector<int16_t> pi;                    // int8 caches: the probabilities rounded to int16, [4][padded + 2]
 };
+
+// 8-bit caches: tokens t0..t0+7's row scales (times kUnit); the scales kAhead tokens on are
+// fetched into L2 (each block's scales sit apart from the rows: unfetched, every block
+// waited on two misses)
+template <typename C>
+inline void gather_scales(Scratch& s, int64_t t0) {
+  for (int i = 0; i < 8; ++i) {
+    const int64_t now = s.slot[t0 + i] * s.kv_heads, ahead = s.slot[t0 + kAhead + i] * s.kv_heads;
+    s.k_scale[t0 + i] = s.ks_src[now] * kUnit<C>;
+    s.v_scale[t0 + i] = s.vs_src[now] * kUnit<C>;
+    _mm_prefetch(reinterpret_cast<const char*>(s.ks_src + ahead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(s.vs_src + ahead), _MM_HINT_T1);
+  }
+}
 
 // scores[g][t] = q_g . k_t (times the row's scale) for the NG heads from head0, every t < len
 template <int NG, typename C>
 void score_tokens(Scratch& s, const C* k_head, int64_t len, int64_t padded, int64_t D, const float* q_scale) {
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    if constexpr (kQuantized<C>) gather_scales<C>(s, t0);
     if constexpr (std::is_same_v<C, int8_t>) {
       __m256i dots[NG][8];
       for (int i = 0; i < 8; ++i) {
@@ -122,9 +142,11 @@ void score_tokens(Scratch& s, const C* k_head, int64_t len, int64_t padded, int6
         }
         for (int g = 0; g < NG; ++g) dots[g][i] = a[g];
       }
-      const __m256 ks = _mm256_loadu_ps(s.k_scale.data() + t0);
-      for (int g = 0; g < NG; ++g)
-        _mm256_storeu_ps(s.scores.data() + g * padded + t0, _mm256_mul_ps(hsum8(dots[g]), ks));
+      for (int g = 0; g < NG; ++g) {
+        __m256 d = hsum8(dots[g]);
+        if constexpr (kQuantized<C>) d = _mm256_mul_ps(d, _mm256_loadu_ps(s.k_scale.data() + t0));
+        _mm256_storeu_ps(s.scores.data() + g * padded + t0, d);
+      }
     }
   }
 }
@@ -153,6 +175,74 @@ void weigh_values(Scratch& s, const C* v_head, int64_t len, int64_t padded, int6
   }
 }
 
+// int8 caches: acc[g][e] = sum over t < len of p[g][t] * v_t[e] in integers, for NG (<= 4)
+// heads from g0. Each head's probabilities (times the V rows' scales) are rounded to int16
+// against their largest, an error of at most 2^-16 of that largest per token; two tokens'
+// rows are interleaved so that one vpmaddwd multiplies and adds both. The int32 sums go to
+// float every kChunk tokens, before they could overflow (2 * 32767 * 128 * kChunk / 2 < 2^31),
+// and the V rows of a chunk stay in L1/L2 while its slices of 16 * SL values are summed.
+// Against widening each value to float for an FMA: 1.1-1.6x the whole kernel.
+constexpr int64_t kChunk = 256;
+template <int NG, int SL>
+void weigh_values_int(Scratch& s, const int8_t* v_head, int64_t len, int64_t padded, int64_t D, int g0) {
+  const int64_t even = (len + 1) / 2 * 2;
+  float p_scale[NG];
+  s.pi.resize(NG * (padded + 2));
+  for (int g = 0; g < NG; ++g) {
+    const float* p = s.scores.data() + (g0 + g) * padded;
+    int16_t* pi = s.pi.data() + g * (padded + 2);
+    float mx = 0.f;
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, p[t]);
+    p_scale[g] = mx > 0.f ? mx / 32767.f : 1.f;
+    const float inv = 1.f / p_scale[g];
+    for (int64_t t = 0; t < len; ++t) pi[t] = static_cast<int16_t>(std::nearbyint(p[t] * inv));
+    for (int64_t t = len; t < even; ++t) pi[t] = 0;
+  }
+  for (int g = 0; g < NG; ++g) std::fill_n(s.acc.data() + (g0 + g) * D, D, 0.f);
+  for (int64_t c0 = 0; c0 < even; c0 += kChunk) {
+    const int64_t c1 = std::min(even, c0 + kChunk);
+    for (int64_t e0 = 0; e0 < D; e0 += 16 * SL) {
+      __m256i lo[NG][SL], hi[NG][SL];
+      for (int g = 0; g < NG; ++g)
+        for (int w = 0; w < SL; ++w) lo[g][w] = hi[g][w] = _mm256_setzero_si256();
+      for (int64_t t = c0; t < c1; t += 2) {
+        const int8_t* va = v_head + s.rows[t] + e0;
+        const int8_t* vb = v_head + s.rows[t + 1] + e0;
+        if (e0 == 0) {
+          prefetch_row(v_head + s.rows[t + kAhead], D);
+          prefetch_row(v_head + s.rows[t + 1 + kAhead], D);
+        }
+        __m256i pp[NG];
+        for (int g = 0; g < NG; ++g) {
+          int32_t pair;
+          std::memcpy(&pair, s.pi.data() + g * (padded + 2) + t, sizeof(pair));
+          pp[g] = _mm256_set1_epi32(pair);
+        }
+        for (int w = 0; w < SL; ++w) {
+          const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(va + 16 * w)));
+          const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + 16 * w)));
+          const __m256i l = _mm256_unpacklo_epi16(a, b), h = _mm256_unpackhi_epi16(a, b);
+          for (int g = 0; g < NG; ++g) {
+            lo[g][w] = _mm256_add_epi32(lo[g][w], _mm256_madd_epi16(l, pp[g]));
+            hi[g][w] = _mm256_add_epi32(hi[g][w], _mm256_madd_epi16(h, pp[g]));
+          }
+        }
+      }
+      // lo holds elements 0-3 | 8-11 of the 16, hi 4-7 | 12-15
+      for (int g = 0; g < NG; ++g) {
+        const __m256 sc = _mm256_set1_ps(p_scale[g]);
+        float* acc = s.acc.data() + (g0 + g) * D + e0;
+        for (int w = 0; w < SL; ++w) {
+          const __m256 l = _mm256_cvtepi32_ps(lo[g][w]), h = _mm256_cvtepi32_ps(hi[g][w]);
+          float* o = acc + 16 * w;
+          _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_permute2f128_ps(l, h, 0x20), sc, _mm256_loadu_ps(o)));
+          _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_permute2f128_ps(l, h, 0x31), sc, _mm256_loadu_ps(o + 8)));
+        }
+      }
+    }
+  }
+}
+
 template <int NG, typename T, typename C>
 void attend_heads(Scratch& s, const T* q_row, T* out_row, const C* k_head, const C* v_head, int64_t len,
                   int64_t padded, int64_t D, float scale) {
@@ -176,12 +266,21 @@ void attend_heads(Scratch& s, const T* q_row, T* out_row, const C* k_head, const
   for (int g = 0; g < NG; ++g) {
     float* p = s.scores.data() + g * padded;
     softmax_inplace(p, len);
+    if constexpr (kQuantized<C>) {  // each probability weighted by its V row's scale
 #pragma omp simd
-    for (int64_t t = 0; t < len; ++t) p[t] *= s.v_scale[t];  // each probability weighted by its V row's scale
+      for (int64_t t = 0; t < len; ++t) p[t] *= s.v_scale[t];
+    }
   }
   s.acc.resize(NG * D);
   constexpr int W = 8 / NG;
-  if (D % (8 * W) == 0) {
+  if constexpr (std::is_same_v<C, int8_t>) {  // up to 4 heads at a time (8 int32 sums each)
+    constexpr int H = NG > 4 ? 4 : NG;
+    constexpr int SL = 4 / H > 2 ? 2 : 4 / H;
+    for (int g0 = 0; g0 < NG; g0 += H) {
+      if (D % (16 * SL) == 0) weigh_values_int<H, SL>(s, v_head, len, padded, D, g0);
+      else weigh_values_int<H, 1>(s, v_head, len, padded, D, g0);
+    }
+  } else if (D % (8 * W) == 0) {
     weigh_values<NG, W>(s, v_head, len, padded, D);
   } else {
     weigh_values<NG, std::min(W, 2)>(s, v_head, len, padded, D);  // D is a multiple of 16
@@ -214,15 +313,15 @@ void decode_attention_avx2(const T* q, int64_t q_stride, const C* k_cache, const
         for (int64_t t = 0; t < padded + kAhead; ++t) s.rows[t] = s.slot[t] * slot_stride;
         prepared = r;
       }
-      s.k_scale.resize(padded);
-      s.v_scale.resize(padded);
-      for (int64_t t = 0; t < padded; ++t) {
-        if constexpr (kQuantized<C>) {
-          const int64_t i = s.slot[t] * num_kv_heads + h;
-          s.k_scale[t] = k_scales[i] * kUnit<C>;
-          s.v_scale[t] = v_scales[i] * kUnit<C>;
-        } else {
-          s.k_scale[t] = s.v_scale[t] = 1.f;
+      if constexpr (kQuantized<C>) {
+        s.k_scale.resize(padded);
+        s.v_scale.resize(padded);
+        s.ks_src = k_scales + h;
+        s.vs_src = v_scales + h;
+        s.kv_heads = num_kv_heads;
+        for (int64_t t = 0; t < std::min(kAhead, padded); ++t) {
+          _mm_prefetch(reinterpret_cast<const char*>(s.ks_src + s.slot[t] * num_kv_heads), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(s.vs_src + s.slot[t] * num_kv_heads), _MM_HINT_T1);
         }
       }
       s.scores.resize(ng * padded);
