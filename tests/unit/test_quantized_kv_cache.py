@@ -212,3 +212,25 @@ def test_kernels_name_a_cache_dtype_that_is_neither_q_nor_8bit(kernels):
         kernels.paged_decode_attention(torch.empty_like(q), q, k, k, table, lens, 4, 1.0)
     with pytest.raises(RuntimeError, match="a cache of BFloat16 for k of Float"):
         kernels.write_kv(q, q, k, k, torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (32, 4, 128), (16, 1, 32)])
+def test_int8_decode_sums_long_flat_contexts_without_overflow(kernels, heads, kv_heads, dim):
+    """The int8 decode kernel sums p.v in int32: int16 probabilities times int8 values. The
+    worst case for those sums is a flat softmax over rows at the int8 limit, every
+    probability rounding to 32767: a context of 1,500 tokens (several of the kernel's
+    chunks) whose output must still be the rows' value exactly, +127 or -127 times the scale
+    by head dimension, with no wrapped int32."""
+    block, ctx, scale = 16, 1500, 0.01
+    num_slots = -(-ctx // block) * block
+    k = torch.randint(-127, 128, (num_slots, kv_heads, dim), dtype=torch.int8)
+    sign = torch.where(torch.arange(dim) % 3 == 0, -1, 1).to(torch.int8)
+    v = (127 * sign).expand(num_slots, kv_heads, dim).contiguous()
+    scales = torch.full((num_slots, kv_heads), scale)
+    table = torch.randperm(num_slots // block).to(torch.int32)[None]
+    q = torch.zeros(1, heads, dim)  # every score 0: a flat softmax
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, k, v, table, torch.tensor([ctx], dtype=torch.int32), block, dim ** -0.5,
+                                   scales, scales)
+    expected = (127 * scale * sign.float()).expand(1, heads, dim)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
