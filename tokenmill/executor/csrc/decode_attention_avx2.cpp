@@ -28,16 +28,14 @@
 namespace {
 using namespace tokenmill;
 
-// 8 consecutive cache elements as float (e4m3: divided by 256)
+// 8 consecutive cache elements as float (e4m3: divided by 256); int8 rows never go through
+// floats (vpmaddwd in q.k and p.v)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 inline __m256 load8(const c10::Float8_e5m2* p) {  // each byte becomes a float16's upper byte
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
@@ -88,7 +86,7 @@ struct Scratch {
   std::vector<float> qf;                      // [NG][D], times the softmax scale
   std::vector<int16_t> qi;                    // int8 caches: qf rounded to int16, [NG][D]
   std::vector<float> acc;                     // [NG][D]
-  std::vector<int16_t> pi;                    // int8 caches: the probabilities rounded to int16, [4][padded + 2]
+  std::vector<int16_t> pi;                    // int8 caches: the probabilities rounded to int16, [4][padded]
 };
 
 // 8-bit caches: tokens t0..t0+7's row scales (times kUnit); the scales kAhead tokens on are
@@ -206,18 +204,18 @@ void weigh_values(Scratch& s, const C* v_head, int64_t len, int64_t padded, int6
 // heads from g0. Each head's probabilities (times the V rows' scales) are rounded to int16
 // against their largest, an error of at most 2^-16 of that largest per token; two tokens'
 // rows are interleaved so that one vpmaddwd multiplies and adds both. The int32 sums go to
-// float every kChunk tokens, before they could overflow (2 * 32767 * 128 * kChunk / 2 < 2^31),
+// float every kIntChunk tokens, before they could overflow (2 * 32767 * 128 * kIntChunk / 2 < 2^31),
 // and the V rows of a chunk stay in L1/L2 while its slices of 16 * SL values are summed.
 // Against widening each value to float for an FMA: 1.1-1.6x the whole kernel.
-constexpr int64_t kChunk = 256;
+constexpr int64_t kIntChunk = 256;
 template <int NG, int SL>
 void weigh_values_int(Scratch& s, const int8_t* v_head, int64_t len, int64_t padded, int64_t D, int g0) {
   const int64_t even = (len + 1) / 2 * 2;
   float p_scale[NG];
-  s.pi.resize(NG * (padded + 2));
+  s.pi.resize(NG * padded);
   for (int g = 0; g < NG; ++g) {
     const float* p = s.scores.data() + (g0 + g) * padded;
-    int16_t* pi = s.pi.data() + g * (padded + 2);
+    int16_t* pi = s.pi.data() + g * padded;
     float mx = 0.f;
     for (int64_t t = 0; t < len; ++t) mx = std::max(mx, p[t]);
     p_scale[g] = mx > 0.f ? mx / 32767.f : 1.f;
@@ -226,8 +224,8 @@ void weigh_values_int(Scratch& s, const int8_t* v_head, int64_t len, int64_t pad
     for (int64_t t = len; t < even; ++t) pi[t] = 0;
   }
   for (int g = 0; g < NG; ++g) std::fill_n(s.acc.data() + (g0 + g) * D, D, 0.f);
-  for (int64_t c0 = 0; c0 < even; c0 += kChunk) {
-    const int64_t c1 = std::min(even, c0 + kChunk);
+  for (int64_t c0 = 0; c0 < even; c0 += kIntChunk) {
+    const int64_t c1 = std::min(even, c0 + kIntChunk);
     for (int64_t e0 = 0; e0 < D; e0 += 16 * SL) {
       __m256i lo[NG][SL], hi[NG][SL];
       for (int g = 0; g < NG; ++g)
@@ -242,7 +240,7 @@ void weigh_values_int(Scratch& s, const int8_t* v_head, int64_t len, int64_t pad
         __m256i pp[NG];
         for (int g = 0; g < NG; ++g) {
           int32_t pair;
-          std::memcpy(&pair, s.pi.data() + g * (padded + 2) + t, sizeof(pair));
+          std::memcpy(&pair, s.pi.data() + g * padded + t, sizeof(pair));
           pp[g] = _mm256_set1_epi32(pair);
         }
         for (int w = 0; w < SL; ++w) {
