@@ -37,6 +37,10 @@ hf           HF transformers `generate` in static batches against tokenmill on t
 hf_cb        HF's continuous batching (`generate_batch`) against tokenmill, every request
              with the same output length.
 llama8b      one Llama-3-8B-shaped run (dummy weights, bfloat16), the same workload.
+fp8_8b       FP8 W8A8 against bf16 on the Llama-3-8B shape with --fp8-8b-requests (64), where the
+             weights are most of a step's bytes. Each FP8 row also gives the bytes an average step
+             reads in both runs (weights, and the K/V of each decoded token's context) and the most
+             that ratio allows: on qwen3 with 256 requests the K/V dwarfs the weights.
 
 Targets (issue 14): >= 12,000 output tok/s on an H100; >= 10x HF static and >= 3x HF
 continuous batching; decode steps at batch 64 and 256 within 1.5x of the roofline; graphs
@@ -56,6 +60,7 @@ import subprocess
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,9 +71,11 @@ import torch  # noqa: E402
 from tokenmill import LLM  # noqa: E402
 from tokenmill.bench.hf_baseline import hf_continuous, hf_model, hf_static_throughput  # noqa: E402
 from tokenmill.bench.offline import copy_tokenizer, run_throughput  # noqa: E402
-from tokenmill.bench.steps import (StepTimeline, copy_bandwidth, decode_step_time, profile_decode_steps,  # noqa: E402
-                                   profile_host, torch_layer_ops)
+from tokenmill.bench.steps import (StepTimeline, bytes_per_step, copy_bandwidth, decode_step_time,  # noqa: E402
+                                   profile_decode_steps, profile_host, torch_layer_ops)
 from tokenmill.bench.workloads import random_requests  # noqa: E402
+
+import gpu_quant  # noqa: E402  the FP8 sections (this folder; python puts a script's folder on its path)
 
 QWEN3_06B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
@@ -136,14 +143,15 @@ class Bench:
         return LLM(str(checkpoint(self.out / "ckpt", shape)), load_format="dummy", dtype=self.args.dtype,
                    max_num_seqs=self.args.max_num_seqs, **{**self.device_args, **kwargs})
 
-    def throughput(self, name: str, shape: dict, **kwargs) -> dict:
+    def throughput(self, name: str, shape: dict, num_requests: int | None = None, **kwargs) -> dict:
         llm = self.engine(shape, **kwargs)
         runner = llm.engine.runner
-        requests = self.workload()
+        requests = self.workload(num_requests)
         run_throughput(llm, requests[:16], use_tqdm=False)  # warm-up: Triton compiles
         with StepTimeline(llm) as timeline:
             result = run_throughput(llm, requests, use_tqdm=False).to_dict()
         result["timeline"] = timeline.summary(result["elapsed_s"])
+        result["bytes_per_step"] = bytes_per_step(llm, requests, result["timeline"]["steps"])
         result["kv_cache_tokens"] = llm.engine.kv_capacity_tokens
         result["memory_profile"] = getattr(runner, "profile", None)
         if runner.graphs is not None:
@@ -288,36 +296,6 @@ class Bench:
         r = self.throughput("llama3_8b_graphs", self.big_shape)
         self.rows.append(("Llama-3-8B shape, CUDA graphs: output tok/s", f"{r['output_throughput']:,.0f}", ""))
 
-    # -- 6. FP8 ----------------------------------------------------------------------
-    def fp8(self) -> None:
-        if not _cuda():
-            self.rows.append(("FP8 W8A8", "skipped: no CUDA device", ""))
-            return
-        base = self.results.get("tokenmill_graphs") or self.throughput("tokenmill_graphs", self.shape)
-        fp8 = self.throughput("tokenmill_fp8", self.shape, quantization="fp8")
-        ratio = fp8["output_throughput"] / base["output_throughput"]
-        self.rows.append(("FP8 W8A8 (graphs): output tok/s, vs bf16", f"{fp8['output_throughput']:,.0f}, "
-                          f"{ratio:.2f}x", ">= 1.4x (H100)"))
-        kv = self.throughput("tokenmill_kv_fp8", self.shape, kv_cache_dtype="fp8")
-        self.rows.append(("fp8 KV cache (graphs): output tok/s, vs bf16", f"{kv['output_throughput']:,.0f}, "
-                          f"{kv['output_throughput'] / base['output_throughput']:.2f}x", ""))
-
-    def fp8_quality(self) -> None:
-        if not _cuda():
-            self.rows.append(("FP8 quality", "skipped: no CUDA device", ""))
-            return
-        out = self.out / "quant_quality.json"
-        cmd = [sys.executable, "benchmarks/quant_quality.py", "--schemes", "fp8", "--output-json", str(out)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-        (self.out / "quant_quality.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode == 0:
-            q = json.loads(out.read_text())["fp8"]
-            self.results["fp8_quality"] = q
-            self.rows.append(("FP8 perplexity change / greedy agreement / ast vs bf16",
-                              f"{q['perplexity_change']:+.2%} / {q['agreement']:.3f} / {q['ast']:.3f}", ""))
-        else:
-            self.rows.append(("FP8 quality", f"failed (rc {proc.returncode}; quant_quality.log)", ""))
-
     def table(self) -> None:
         width = max(len(r[0]) for r in self.rows)
         print(f"\n{self.results['device']}; {self.elapsed():.0f}s; details in {self.out}/results.json")
@@ -360,8 +338,9 @@ def main() -> None:
     p.add_argument("--cb-output-len", type=int, default=256)
     p.add_argument("--step-batches", default="1,64,256")
     p.add_argument("--step-context", type=int, default=512)
+    p.add_argument("--fp8-8b-requests", type=int, default=64)
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
-    p.add_argument("--only", default="tests,qwen3,fp8,fp8_quality,steps,profile,hf,hf_cb,llama8b")
+    p.add_argument("--only", default="tests,qwen3,fp8,fp8_quality,steps,profile,hf,hf_cb,llama8b,fp8_8b")
     p.add_argument("--smoke", action="store_true", help="a tiny shape and workload, to check the script itself")
     args = p.parse_args()
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
@@ -373,15 +352,16 @@ def main() -> None:
         bench.shape = bench.big_shape = TINY
         args.lens = (16, 48)
         args.num_requests, args.hf_requests, args.max_num_seqs, args.cb_output_len = 24, 8, 8, 16
+        args.fp8_8b_requests = 8
         args.hf_batch_sizes, args.step_batches, args.step_context = [4, 8], [1, 4], 64
         if not torch.cuda.is_available():
             args.dtype = "float32"
     only = set(args.only.split(","))
     # cost estimates (s) on an H100, so a section that cannot finish is skipped, not cut off
-    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 130), ("fp8", bench.fp8, 110),
-                           ("fp8_quality", bench.fp8_quality, 60), ("steps", bench.steps, 60),
+    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 130), ("fp8", partial(gpu_quant.fp8, bench), 110),
+                           ("fp8_quality", partial(gpu_quant.fp8_quality, bench), 60), ("steps", bench.steps, 60),
                            ("profile", bench.profile, 40), ("hf", bench.hf, 170), ("hf_cb", bench.hf_cb, 150),
-                           ("llama8b", bench.llama8b, 90)]:
+                           ("llama8b", bench.llama8b, 90), ("fp8_8b", partial(gpu_quant.fp8_8b, bench), 150)]:
         if name in only:
             bench.section(name, fn, 0 if args.smoke else cost)
     bench.table()

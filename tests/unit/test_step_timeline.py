@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tokenmill import LLM
 from tokenmill.bench.offline import run_throughput
 from tokenmill.bench.steps import StepTimeline
@@ -39,3 +41,35 @@ def test_linear_time_split_times_each_part_and_lets_go(checkpoints):
     assert abs(split["layers"] + split["lm_head"] + split["rest"] - split["total"]) < 1e-9
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all("forward" not in vars(m) for m in linears)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied_llama3rope"])
+def test_bytes_per_step_counts_stored_weights_and_decoded_contexts(checkpoints, name):
+    """The FP8 rows' bound (gpu_quant.py): weights in the bytes they are stored in, and the
+    K/V of every decoded token's context in the cache's dtype, spread over the steps."""
+    from tokenmill.bench.steps import bytes_per_step
+    from tokenmill.bench.workloads import BenchRequest
+    from tokenmill.executor.layers.linear import Linear
+
+    # the first request decodes its outputs 2..4 over contexts of 11, 12 and 13 tokens; a
+    # one-token output decodes nothing
+    requests = [BenchRequest([20] * 10, 4, 10), BenchRequest([20] * 3, 1, 3)]
+    runs, models = {}, {}
+    for key, kwargs in {"float32": {}, "int8": {"quantization": "int8", "kv_cache_dtype": "int8"}}.items():
+        llm = LLM(str(checkpoints(name)), device="cpu", dtype="float32", **kwargs)
+        runs[key], models[key] = bytes_per_step(llm, requests, steps=3), llm.engine.runner.model
+        per_token = llm.engine.model_config.kv_bytes_per_token(llm.engine.runner.kv_cache_dtype)
+        assert runs[key]["kv"] == (11 + 12 + 13) * per_token / 3
+        assert runs[key]["total"] == runs[key]["weights"] + runs[key]["kv"]
+    model = models["float32"]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    # float32: every linear weight (the LM head included, tied or not) and norm 4 bytes; the
+    # embedding table is only looked up
+    expected = 4 * (sum(m.in_features * m.out_features for m in linears) + sum(p.numel() for p in norms))
+    assert runs["float32"]["weights"] == expected
+    # int8: the layers' weights a byte each, the head and the rest still float32
+    quantized = [m for m in models["int8"].modules() if isinstance(m, Linear) and m.quant_method is not None]
+    assert quantized and runs["int8"]["weights"] == expected - 3 * sum(m.in_features * m.out_features
+                                                                       for m in quantized)
+    assert runs["int8"]["kv"] < 0.4 * runs["float32"]["kv"]  # a byte an element and a scale a row

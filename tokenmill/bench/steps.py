@@ -24,6 +24,54 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def stored_weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a forward reads of the weights, as the engine keeps them: a linear layer's
+    weight in its stored dtype (8 bits for int8/FP8 W8A8; on the CPU its packed layout), and
+    the other parameters (norms) except the embedding table, of which a step reads only its
+    tokens' rows (a tied LM head reads all of it, as a linear layer)."""
+    from tokenmill.executor.distributed.parallel import VocabParallelEmbedding
+    from tokenmill.executor.layers.linear import Linear
+
+    seen, total = set(), 0
+
+    def count(t: torch.Tensor | None) -> None:
+        nonlocal total
+        key = None if t is None or t.is_mkldnn else t.data_ptr()  # oneDNN's tensors have no data pointer
+        if t is not None and t.numel() and (key is None or key not in seen):
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for m in model.modules():
+        if isinstance(m, Linear):
+            if getattr(m, "packed_int8", None) is not None:  # the CPU's int8 packing: a byte a weight
+                total += m.in_features * m.out_features
+            count(m.packed)  # oneDNN's layout on the CPU (a step reads it or the plain copy, not both)
+            if m.packed is None:
+                count(m.weight)
+    looked_up = {p.data_ptr() for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))
+                 for p in m.parameters()}
+    for t in model.parameters():
+        if t.data_ptr() not in looked_up:
+            count(t)
+    return total
+
+
+def bytes_per_step(llm: LLM, requests, steps: int) -> dict[str, float]:
+    """What a run's average step reads from memory: every weight once (stored_weight_bytes),
+    and the K/V of each decoded token's context, in the cache's dtype (scales included).
+    Two runs of one workload give the most a change of bytes can gain: the ratio of their
+    sums. Prompt chunks' K/V reads are left out (a prompt is read about once; a decode step
+    reads every context again)."""
+    runner = llm.engine.runner
+    kv_per_token = llm.engine.model_config.kv_bytes_per_token(runner.kv_cache_dtype)
+    # a request decodes its outputs after the first (that one comes with the prompt's
+    # forward) over contexts of prompt + 1 .. prompt + output - 1 tokens
+    contexts = sum((r.output_len - 1) * r.prompt_len + r.output_len * (r.output_len - 1) // 2 for r in requests)
+    weights = stored_weight_bytes(runner.model)
+    kv = contexts * kv_per_token / max(1, steps)
+    return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy, bytes read plus written per second (best of 10)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
