@@ -364,3 +364,32 @@ def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
 def test_acceptance_estimate_starts_at_the_prior():
     assert acceptance(0, 0, prior=0.7) == pytest.approx(0.7)
     assert acceptance(30, 10, prior=0.7) == pytest.approx(31.4 / 42)
+
+
+def test_eagle_waiting_pairs_keep_their_order_drop_whole_old_pieces_and_hold_no_collected_objects():
+    """A request's pairs waiting for its next drafting step (executor/spec/eagle.py): its
+    tokens in order, the hidden-state rows of each piece where its slab has them, at most
+    MAX_WAITING positions in whole pieces, oldest dropped first; and nothing a step adds is
+    a new object the garbage collector walks (the tokens go into one array, the rows are
+    ints, the pieces share their slab)."""
+    import gc
+
+    from tokenmill.executor.spec.eagle import MAX_WAITING, Waiting
+
+    slab = torch.arange(64.0).reshape(32, 2)
+    w = Waiting(10)
+    ids = w.ids
+    w.add([1, 2, 3], slab, 4)
+    w.add([4], slab, 9)
+    assert (w.start, w.end, w.ids.tolist()) == (10, 14, [1, 2, 3, 4]) and w.ids is ids
+    assert all(s is slab for s in w.sources) and not any(gc.is_tracked(x) for x in (*w.lengths, *w.firsts))
+    pieces = [source[first:first + n] for n, source, first in zip(w.lengths, w.sources, w.firsts)]
+    assert torch.equal(torch.cat(pieces), slab[[4, 5, 6, 9]])
+    piece = 100
+    for i in range(MAX_WAITING // piece + 1):
+        w.add(list(range(i * piece, (i + 1) * piece)), slab, 0)
+    # whole pieces went, oldest first, until at most MAX_WAITING positions wait
+    assert w.end - w.start <= MAX_WAITING < w.end - w.start + piece
+    assert w.ids.tolist() == list(range((MAX_WAITING // piece + 1) * piece - (w.end - w.start),
+                                        (MAX_WAITING // piece + 1) * piece))
+    assert len(w.lengths) == len(w.sources) == len(w.firsts) == (w.end - w.start) // piece

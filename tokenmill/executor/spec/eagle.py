@@ -22,8 +22,8 @@ verification decides what is kept.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
-from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -240,30 +240,40 @@ class EagleProposer(DraftModel):
         self.pending.pop(request_id, None)
         if w is None:
             return position, [], []
-        return w.start, list(chain.from_iterable(w.ids)), [source[first:first + len(ids)] for ids, source, first
-                                                            in zip(w.ids, w.sources, w.firsts)]
+        return w.start, w.ids.tolist(), [source[first:first + n] for n, source, first
+                                         in zip(w.lengths, w.sources, w.firsts)]
 
 
 class Waiting:
-    """A request's pairs at positions start..end - 1, not yet in the head's cache: its tokens
-    and where their hidden states are (a copy and the first row in it), in the pieces the
-    steps gave. (Three deques, not one of (copy, row) tuples: appending a tuple that holds a
-    tensor to a long deque took 6.6 us in the garbage collector's passes, against 0.15 us.)"""
+    """A request's pairs at positions start..end - 1, not yet in the head's cache: their
+    tokens, and in the pieces the steps gave, each piece's length and where its hidden states
+    are (a copy and the first row in it).
 
-    __slots__ = ("end", "firsts", "ids", "sources", "start")
+    Nothing a step adds here is a new object the garbage collector walks: the tokens go into
+    one array, the lengths and rows are ints, and a step's pieces share its slab. (Appending
+    a tuple that holds a tensor to a long deque took 6.6 us in the collector's passes, against
+    0.15 us. With a list of tokens a request and step, kept while the request did not draft,
+    an engine of 64 EAGLE requests that drafted nothing ran 199 collections in 18 s, 0.23 s,
+    against 12 without EAGLE; with the array, 30 and 0.03 s.)"""
+
+    __slots__ = ("end", "firsts", "ids", "lengths", "sources", "start")
 
     def __init__(self, start: int) -> None:
         self.start = self.end = start
-        self.ids: deque[list[int]] = deque()
+        self.ids = array("q")
+        self.lengths: deque[int] = deque()
         self.sources: deque[torch.Tensor] = deque()
         self.firsts: deque[int] = deque()
 
     def add(self, ids: list[int], source: torch.Tensor, first: int) -> None:
-        self.ids.append(ids)
+        self.ids.extend(ids)
+        self.lengths.append(len(ids))
         self.sources.append(source)
         self.firsts.append(first)
         self.end += len(ids)
-        while self.end - self.start > MAX_WAITING and len(self.ids) > 1:  # whole pieces, oldest first
-            self.start += len(self.ids.popleft())
+        while self.end - self.start > MAX_WAITING and len(self.lengths) > 1:  # whole pieces, oldest first
+            n = self.lengths.popleft()
+            del self.ids[:n]
+            self.start += n
             self.sources.popleft()
             self.firsts.popleft()
