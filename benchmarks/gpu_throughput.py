@@ -39,8 +39,9 @@ hf_cb        HF's continuous batching (`generate_batch`) against tokenmill, ever
 llama8b      one Llama-3-8B-shaped run (dummy weights, bfloat16), the same workload.
 fp8_8b       FP8 W8A8 against bf16 on the Llama-3-8B shape with --fp8-8b-requests (64), where the
              weights are most of a step's bytes. Each FP8 row also gives the bytes an average step
-             reads in both runs (weights, and the K/V of each decoded token's context) and the most
-             that ratio allows: on qwen3 with 256 requests the K/V dwarfs the weights.
+             reads in both runs (weights, and the K/V of each decoded token's context) and their
+             ratio, what fewer bytes gain a step bound by memory: on qwen3 with 256 requests the
+             K/V dwarfs the weights.
 
 Targets (issue 14): >= 12,000 output tok/s on an H100; >= 10x HF static and >= 3x HF
 continuous batching; decode steps at batch 64 and 256 within 1.5x of the roofline; graphs
