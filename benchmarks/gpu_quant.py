@@ -10,17 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cuda() -> bool:
-    return torch.cuda.is_available()
-
-
 def fp8(bench) -> None:
-    if not _cuda():
+    if not bench.cuda:
         bench.rows.append(("FP8 W8A8", "skipped: no CUDA device", ""))
         return
     base = bench.results.get("tokenmill_graphs") or bench.throughput("tokenmill_graphs", bench.shape)
@@ -33,7 +27,7 @@ def fp8(bench) -> None:
 def fp8_8b(bench) -> None:
     """FP8 weights where they are most of what a step reads: the Llama-3-8B shape with
     fewer requests (16 GB of bf16 weights; 64 requests' K/V are a few GB)."""
-    if not _cuda():
+    if not bench.cuda:
         bench.rows.append(("FP8 W8A8, Llama-3-8B shape", "skipped: no CUDA device", ""))
         return
     n = bench.args.fp8_8b_requests
@@ -43,7 +37,7 @@ def fp8_8b(bench) -> None:
 
 
 def fp8_quality(bench) -> None:
-    if not _cuda():
+    if not bench.cuda:
         bench.rows.append(("FP8 quality", "skipped: no CUDA device", ""))
         return
     out = bench.out / "quant_quality.json"

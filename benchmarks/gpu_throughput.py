@@ -323,10 +323,6 @@ def free_gpu() -> None:
         torch.cuda.empty_cache()
 
 
-def _cuda() -> bool:
-    return torch.cuda.is_available()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output-dir", default="gpu_results")
@@ -359,7 +355,8 @@ def main() -> None:
             args.dtype = "float32"
     only = set(args.only.split(","))
     # cost estimates (s) on an H100, so a section that cannot finish is skipped, not cut off
-    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 130), ("fp8", partial(gpu_quant.fp8, bench), 110),
+    for name, fn, cost in [("tests", bench.tests, 150), ("qwen3", bench.qwen3, 130),
+                           ("fp8", partial(gpu_quant.fp8, bench), 110),
                            ("fp8_quality", partial(gpu_quant.fp8_quality, bench), 60), ("steps", bench.steps, 60),
                            ("profile", bench.profile, 40), ("hf", bench.hf, 170), ("hf_cb", bench.hf_cb, 150),
                            ("llama8b", bench.llama8b, 90), ("fp8_8b", partial(gpu_quant.fp8_8b, bench), 150)]:
