@@ -18,7 +18,9 @@ verification steps) and the share of outputs identical to decoding without draft
 100% with --dtype float32, which asserts it; in bfloat16 the logits of a request's k + 1
 rows can round differently from one row's, so a near-tie between the top two tokens can
 flip, as in any engine). Methods and plain decoding take turns in each round, in an order
-that turns by one each round; the medians over rounds are compared.
+that turns by one each round; the medians over rounds are compared, each ratio with a 95%
+bootstrap interval over the rounds. Every run starts with an empty prefix cache, so that it
+prefills its prompts as distinct requests would.
 
 Methods: ngram, draft (the built-in draft model) and eagle (the built-in EAGLE head, which
 drafts from the target's hidden states), each adaptive (the default) and -fixed
@@ -44,6 +46,7 @@ import argparse
 import ast
 import gc
 import json
+import random
 import statistics
 import sys
 import time
@@ -94,6 +97,11 @@ def run(llm: LLM, prompts: list, tokenizer_limit: int = 384, speculate: bool = T
         finally:
             engine.proposer, engine.runner.drafter = saved
     params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
+    # every run prefills its prompts, as distinct requests would. Hits on the runs before would
+    # reuse blocks whose EAGLE-head entries a run with speculation off never wrote (the head
+    # reads stale K/V there: its drafts get worse, not wrong): the head's acceptance at
+    # concurrency 1 fell from 0.76 to 0.41 in such a run
+    engine.kv_cache.reset_prefix_cache()
     inputs = [{"prompt_token_ids": llm.tokenizer.encode(p)[-tokenizer_limit:]} for p in prompts]
     before = llm.engine.stats()
     steps_before = llm.engine.scheduler.num_spec_steps
@@ -117,6 +125,19 @@ def run(llm: LLM, prompts: list, tokenizer_limit: int = 384, speculate: bool = T
             "mean_accepted_length": 1 + accepted / verify_steps if verify_steps else None,
             "gc_collections": collecting.count, "gc_seconds": collecting.seconds,
             "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
+def median_interval(ratios: list[float], resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """A 95% bootstrap interval of the median of per-round ratios (rounds resampled with
+    replacement; percentiles 2.5 and 97.5 of the resampled medians). Each round's ratio pairs
+    runs made back to back, so a slow minute of the machine falls on both sides of it; the
+    interval says how far the rounds' spread leaves the median undecided (a target such as
+    0.97x is shown met only where the interval's low end passes it)."""
+    if len(ratios) < 4:
+        return None
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
 
 
 class GcTime:
@@ -182,7 +203,8 @@ def main() -> None:
         import tempfile
 
         from cpu_throughput import make_checkpoint
-        model = str(make_checkpoint(Path(tempfile.mkdtemp())))
+        scratch = tempfile.TemporaryDirectory()  # removed when the run ends (mkdtemp left 109 MB a run)
+        model = str(make_checkpoint(Path(scratch.name)))
     rows = []
     for set_name in args.sets:
         for c in args.concurrency:
@@ -216,18 +238,25 @@ def main() -> None:
                     values = [r[key] for r in runs if r[key] is not None]
                     row[key] = statistics.median(values) if values else None
                 row["tpot_speedup"] = statistics.median(b["tpot_ms"] / r["tpot_ms"] for r, b in zip(runs, base))
-                row["throughput_ratio"] = statistics.median(r["output_throughput"] / b["output_throughput"]
-                                                            for r, b in zip(runs, base))
+                ratios = [r["output_throughput"] / b["output_throughput"] for r, b in zip(runs, base)]
+                row["throughput_ratio"] = statistics.median(ratios)
+                row["throughput_ratio_ci95"] = median_interval(ratios)
                 if name in off:  # against the same engine with its speculation off, round by round
                     own = off[name]
                     row["self_tpot_speedup"] = statistics.median(b["tpot_ms"] / r["tpot_ms"] for r, b in zip(runs, own))
-                    row["self_throughput_ratio"] = statistics.median(
-                        r["output_throughput"] / b["output_throughput"] for r, b in zip(runs, own))
+                    ratios = [r["output_throughput"] / b["output_throughput"] for r, b in zip(runs, own)]
+                    row["self_throughput_ratio"] = statistics.median(ratios)
+                    row["self_throughput_ratio_ci95"] = median_interval(ratios)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del llms
-    print(f"\n| set | concurrency | method | TPOT ms | tok/s | acceptance | mean accepted length | "
-          f"TPOT speed-up | throughput ratio | identical outputs |"
+
+    def interval(row: dict, key: str = "self_throughput_ratio_ci95") -> str:
+        ci = row.get(key)
+        return f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
+
+    print("\n| set | concurrency | method | TPOT ms | tok/s | acceptance | mean accepted length | "
+          "TPOT speed-up | throughput ratio (95% interval) | identical outputs |"
           + (" vs itself off: TPOT / throughput |" if args.self_baseline else "")
           + "\n|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.self_baseline else ""))
     for r in rows:
@@ -235,8 +264,10 @@ def main() -> None:
         length = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         print(f"| {r['set']} | {r['concurrency']} | {r['method']} | {r['tpot_ms']:.2f} | "
               f"{r['output_throughput']:.0f} | {acc} | {length} | {r['tpot_speedup']:.2f}x | "
-              f"{r['throughput_ratio']:.2f}x | {100 * r['identical_outputs']:.0f}% |"
-              + (f" {r['self_tpot_speedup']:.2f}x / {r['self_throughput_ratio']:.2f}x |" if "self_throughput_ratio" in r
+              f"{r['throughput_ratio']:.2f}x{interval(r, 'throughput_ratio_ci95')} | "
+              f"{100 * r['identical_outputs']:.0f}% |"
+              + (f" {r['self_tpot_speedup']:.2f}x / {r['self_throughput_ratio']:.2f}x{interval(r)} |"
+                 if "self_throughput_ratio" in r
                  else " - |" if args.self_baseline else ""))
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(rows, indent=2))
