@@ -159,7 +159,7 @@ class Bench:
             result["graph_capture_s"] = runner.graphs.capture_seconds
             result["graph_capture_mib"] = runner.graphs.capture_bytes / 2**20
         self.results[name] = result
-        del llm, runner
+        del llm, runner, timeline  # the timeline holds the runner: freed only with it (the next engine's KV budget)
         free_gpu()
         return result
 

@@ -124,3 +124,21 @@ def test_triton_equals_torch_backend(checkpoint, engine_args):
             assert llm.engine.scheduler.num_preemptions > 0
         outs[backend] = tokens(first) + tokens(second)
     assert outs["triton"] == outs["torch"]
+
+
+def test_an_unreachable_engine_leaves_its_memory_to_the_next(checkpoint):
+    """An engine dropped while in a reference cycle (no collection has run yet) does not take
+    its KV cache's memory from the next engine's budget: the budget is measured after a
+    collection (with the automatic collector off, nothing else would free it)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    gc.disable()
+    try:
+        first = LLM(str(checkpoint), device="cuda", gpu_memory_utilization=0.6)
+        budget = first.engine.runner.profile["kv_budget_bytes"]
+        first.engine.runner.cycle = first  # reachable only through itself once dropped
+        del first
+        second = LLM(str(checkpoint), device="cuda", gpu_memory_utilization=0.6)
+        assert second.engine.runner.profile["kv_budget_bytes"] >= 0.95 * budget
+    finally:
+        gc.enable()

@@ -12,6 +12,7 @@ Decode-only steps on CUDA replay a captured graph (executor/cuda_graphs.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from types import ModuleType
@@ -115,7 +116,10 @@ class ModelRunner(CacheOwner):
         self.kv_cache_dtype = cache_dtype(config.kv_cache_dtype, dtype)
         kernels = load_cpu_kernels() if device.type == "cpu" else None
         layer_kernels = select_layer_kernels(self.backend_cls.name, kernels)
-        # what torch holds already in this process (another engine, a reference model): not ours
+        # what torch holds already in this process (another engine, a reference model): not ours; an
+        # unreachable engine still in a reference cycle is collected first, or the baseline would count it
+        if device.type == "cuda":
+            gc.collect()
         self.memory_baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         self.quant = resolve_quantization(config.quantization, model_config.quantization_config, device, kernels)

@@ -95,7 +95,11 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     x = x.float()
     amax = x.abs().amax(dim=-1)
     # at least the smallest normal float, as the CPU kernel keeps it (a subnormal may flush to 0)
-    s = torch.where(amax > 0, (amax / qmax).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+    # amax / a tensor of qmax: CUDA divides by a Python number as a product with its reciprocal,
+    # one ulp off at times, which moves a tie of fp16/bf16 rows to the other code (the CPU
+    # kernel and the Triton write divide exactly)
+    s = amax / torch.full_like(amax, qmax)
+    s = torch.where(amax > 0, s.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
     scaled = (x / s.unsqueeze(-1)).clamp_(-qmax, qmax)
     return (scaled.round_() if dtype == torch.int8 else scaled).to(dtype), s
 
