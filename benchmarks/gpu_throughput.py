@@ -276,8 +276,9 @@ class Bench:
 
     def profile(self) -> None:
         """Where a decode step's time goes (CUDA graphs on): the GPU's kernel time against
-        the step's wall time, and the kernels that take most of it."""
-        llm = self.engine(self.shape)
+        the step's wall time, and the kernels that take most of it (--profile-quantization fp8: FP8's)."""
+        q = self.args.profile_quantization
+        llm = self.engine(self.shape, **({"quantization": q} if q else {}))
         detail = {}
         host = []
         for batch in self.args.step_batches:
@@ -285,7 +286,7 @@ class Bench:
             host.append(f"== batch {batch}, context {self.args.step_context}: the host's Python, by own time\n"
                         + profile_host(llm, batch, self.args.step_context))
             detail[batch] = {"wall_ms": wall * 1e3, "kernel_ms": kernels * 1e3, "top_kernels": top}
-            self.rows.append((f"profile, batch {batch}: step wall / GPU kernels",
+            self.rows.append((f"profile{', ' + q if q else ''}, batch {batch}: step wall / GPU kernels",
                               f"{wall * 1e3:.2f} / {kernels * 1e3:.2f} ms; top: "
                               + ", ".join(f"{name[:28]} {ms:.2f}" for name, ms in top[:3]), ""))
         del llm
@@ -336,6 +337,7 @@ def main() -> None:
     p.add_argument("--step-batches", default="1,64,256")
     p.add_argument("--step-context", type=int, default=512)
     p.add_argument("--fp8-8b-requests", type=int, default=64)
+    p.add_argument("--profile-quantization", default=None, help="section profile with this quantization (fp8)")
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
     p.add_argument("--only", default="tests,qwen3,fp8,fp8_quality,steps,profile,hf,hf_cb,llama8b,fp8_8b")
     p.add_argument("--smoke", action="store_true", help="a tiny shape and workload, to check the script itself")
