@@ -12,7 +12,6 @@ what other processes and the CUDA context hold.
 
 from __future__ import annotations
 
-import gc
 import logging
 from typing import TYPE_CHECKING
 
@@ -53,7 +52,6 @@ def num_kv_blocks(runner: ModelRunner, max_num_batched_tokens: int) -> int:
 def _cuda_kv_budget(runner: ModelRunner, max_tokens: int) -> int:
     device = runner.device
     torch.cuda.synchronize(device)
-    gc.collect()  # an earlier engine of this process, unreachable but in a reference cycle, frees its memory
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated(device) - runner.memory_baseline
     torch.cuda.reset_peak_memory_stats(device)

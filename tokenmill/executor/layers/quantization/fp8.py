@@ -68,8 +68,7 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         q, scale = self.quantize(x)
         bias = layer.bias if layer.bias is None or layer.bias.dtype == x.dtype else layer.bias.to(x.dtype)
-        if bias is not None and x.dtype == torch.float32:  # CUDA's _scaled_mm takes no bias for float32 out
-            return torch._scaled_mm(q, layer.weight.t(), scale_a=scale, scale_b=layer.weight_scale_row,
-                                    out_dtype=x.dtype) + bias
-        return torch._scaled_mm(q, layer.weight.t(), scale_a=scale, scale_b=layer.weight_scale_row, bias=bias,
-                                out_dtype=x.dtype)
+        late = bias is not None and x.dtype == torch.float32  # CUDA's _scaled_mm takes no bias for float32 out
+        out = torch._scaled_mm(q, layer.weight.t(), scale_a=scale, scale_b=layer.weight_scale_row,
+                               bias=None if late else bias, out_dtype=x.dtype)
+        return out + bias if late else out
