@@ -244,19 +244,8 @@ class Engine:
                 outputs.append(snapshot(tracked, tracked.seqs[:1], "", [], finished=True))
             if tracked.finished:
                 self._forget(tracked)
-        cost = self.proposer.cost if self.proposer is not None else None
-        if cost is not None and sched.is_decode_only:  # what the step costs beyond its forwards
-            # the drafting, from the choice on (its forwards and their host work), whose cost
-            # the drafter learns itself (its bookkeeping before the choice, which runs whether
-            # or not a request drafts, stays in the step's)
-            drafting = getattr(self.proposer, "seconds", 0.0)
-            # nor is the drafts' attention overhead: choosing drafts counts it per draft (counted
-            # here too, a step with drafts would raise every step's cost, and drafts would look
-            # cheaper against it the more of them run)
-            drafts = sum(len(d) * (c + n) for d, c, n in zip(sched.spec_token_ids, sched.num_computed_tokens,
-                                                             sched.num_scheduled_tokens))
-            cost.observe(sched.total_num_scheduled_tokens,
-                         time.perf_counter() - start - drafting - cost.attention * drafts)
+        if self.proposer is not None and self.proposer.cost is not None:  # adaptive speculation learns
+            self.proposer.observe_step(sched, time.perf_counter() - start, self.scheduler.num_accepted_tokens)
         return outputs
 
     def _outputs(self, tracked: Tracked, seqs: list[Seq]) -> list[RequestOutput]:

@@ -117,13 +117,16 @@ class DraftModel(Proposer, CacheOwner):
             self.resting = self.rest_length = 0
         if not self.choosing or not requests:
             return limits
-        if self._rests(len(requests)):
+        if self._rests(len(requests)) or self.measuring:
             return [0] * len(requests)
-        contexts, behind, first_rows = inputs()
         rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for r in requests]
+        if (ks := self.explore(rates, limits)) is not None:
+            self.rest_length = self.resting = 0
+            return ks
+        contexts, behind, first_rows = inputs()
         remaining = [r.max_tokens - r.num_output_tokens for r in requests]
-        ks = choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind, remaining,
-                               first_rows)
+        ks = self.chose(choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
+                                          remaining, first_rows, self.calibration))
         if any(ks):
             self.rest_length = self.resting = 0
         else:
@@ -134,7 +137,7 @@ class DraftModel(Proposer, CacheOwner):
     def _rests(self, candidates: int) -> bool:
         """Whether this step rests (see `_choose`), counted as one of the rest's steps; a
         batch of `candidates` half the size of the one the rest began with asks again."""
-        if self.resting > 0 and 2 * candidates > self.rest_batch:
+        if self.resting > 0 and 2 * candidates > self.rest_batch and not self.exploring:
             self.resting -= 1
             return True
         return False

@@ -112,8 +112,10 @@ class NgramProposer(Proposer):
         if self.cost is not None:
             prior = acceptance(accepted, rejected, prior=0.5)
             rates = [acceptance(r.spec_accepted, r.spec_rejected, prior) for r in drafting]
-            chosen = choose_num_drafts(rates, [len(d) for d in drafts], num_running, self.cost,
-                                       contexts=[r.num_tokens for r in drafting])
+            limits = [len(d) for d in drafts]
+            chosen = [0] * len(drafts) if self.measuring else self.explore(rates, limits) or \
+                self.chose(choose_num_drafts(rates, limits, num_running, self.cost,
+                                             contexts=[r.num_tokens for r in drafting], calibration=self.calibration))
             drafts = [d[:k] for d, k in zip(drafts, chosen)]
         for request, d in zip(drafting, drafts):
             request.spec_token_ids = d

@@ -1,0 +1,119 @@
+"""Adaptive speculation checks its own predictions: the tokens and seconds that chosen drafts
+really added against what choosing them predicted (Calibration), one step in MEASURE_EVERY
+without drafts so that the step's cost without them stays measured, and an exploration
+after a run of steps without drafts, so that a rate learnt from a few unlucky drafts does
+not stop drafting for good."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import SpeculativeConfig
+from tokenmill.executor.spec import ngram as ngram_module
+from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, Calibration, StepCost,
+                                              choose_num_drafts)
+from tokenmill.executor.spec.proposer import Proposer
+
+
+def test_calibration_learns_what_drafts_really_added_clips_stalls_and_fades():
+    cal = Calibration()
+    for _ in range(200):  # predicted 2 tokens in 5 ms; they gave 1 token in 10 ms
+        cal.observe(2.0, 0.005, 1.0, 0.010)
+    assert cal.tokens == pytest.approx(0.5, abs=0.01) and cal.seconds == pytest.approx(2.0, abs=0.02)
+    fresh = Calibration()
+    fresh.observe(2.0, 0.005, 2.0, 100.0)  # a stall counts for 4x the prediction, after two steps as predicted
+    assert fresh.seconds == pytest.approx((0.95 * 2 * 0.005 + 4 * 0.005) / (0.95 * 2 * 0.005 + 0.005))
+    fresh.observe(2.0, 0.005, 2.0, -1.0)  # a step faster than its cost without drafts: no time added
+    assert fresh.sums[2] == pytest.approx(0.95 * (0.95 * 2 * 0.005 + 4 * 0.005))
+    for _ in range(1000):  # steps without drafts: the ratios return towards 1
+        cal.fade()
+    assert cal.tokens == pytest.approx(1.0, abs=0.01) and cal.seconds == pytest.approx(1.0, abs=0.01)
+
+
+def test_choosing_scales_by_the_calibration_and_leaves_its_prediction():
+    mid = StepCost([1, 64, 1024], [0.010, 0.012, 0.2])
+    cal = Calibration()
+    ks = choose_num_drafts([0.9, 0.5], [4, 4], 2, mid, calibration=cal)
+    assert ks == [4, 4]
+    gains = sum(0.9 ** j + 0.5 ** j for j in range(1, 5))
+    assert cal.chosen == pytest.approx((gains, float(mid.forward(10) - mid.forward(2))))
+    cal.seconds = 4.0  # drafts cost 4x what the model says: the least likely goes
+    assert choose_num_drafts([0.9, 0.5], [4, 4], 2, mid, calibration=cal) == [4, 3]
+    steep = StepCost([1, 1024], [0.010, 0.3])  # 0.28 ms a token, against 5 ms a token for the step
+    cal.seconds = 1.0
+    assert choose_num_drafts([0.9, 0.5], [4, 4], 2, steep, calibration=cal)[0] == 4
+    cal.tokens = 0.05  # drafts give a twentieth of the tokens expected: none pays
+    assert choose_num_drafts([0.9, 0.5], [4, 4], 2, steep, calibration=cal) == [0, 0]
+    assert cal.chosen is None
+
+
+def step(drafts: list[list[int]]) -> SimpleNamespace:
+    """A decode step's scheduler output: each request's known token and its drafts."""
+    return SimpleNamespace(is_decode_only=True, spec_token_ids=drafts,
+                           total_num_scheduled_tokens=sum(1 + len(d) for d in drafts))
+
+
+def test_a_step_is_compared_with_the_choice_made_before_it():
+    """A plain decode step teaches the step cost's overhead; the next step's choice is then
+    compared with that step: the drafting before it (the drafter's `seconds`) and its time
+    over the cost without its drafts, against the seconds predicted; its accepted drafts
+    against the tokens predicted."""
+    cost = StepCost([1, 1024], [0.010, 0.0101])
+    proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048, cost)
+    proposer.observe_step(step([[], []]), 0.012, accepted=0)  # a plain step: 2 ms of overhead
+    assert cost.overhead == pytest.approx(0.1 * 0.002, rel=0.01)
+    assert proposer.dry_steps == 1 and proposer.calibration.sums is None
+    proposer.calibration.chosen = (3.0, 0.004)  # this step chooses drafts predicted to add 3 tokens in 4 ms
+    proposer.seconds = 0.001  # of its 13 ms, 1 ms is drafting for the next step
+    proposer.observe_step(step([[], []]), 0.013, accepted=0)
+    assert proposer.calibration.sums is None  # (its own drafts were chosen in the step before: none)
+    base = cost(2)
+    proposer.seconds = 0.0
+    proposer.observe_step(step([[5, 6, 7], [8]]), 0.020, accepted=2)  # verifies them: 2 accepted
+    added = 0.001 + 0.020 - base
+    w = 2 * 0.95  # the prior's two steps, decayed once
+    assert proposer.calibration.tokens == pytest.approx((w * 3 + 2) / (w * 3 + 3))
+    assert proposer.calibration.seconds == pytest.approx((w * 0.004 + added) / (w * 0.004 + 0.004))
+    assert cost.overhead == pytest.approx(0.9 * 0.1 * 0.002 + 0.1 * (0.012 - 0.01), rel=0.01)  # not from it
+    assert proposer.dry_steps == 0 and proposer.calibration.plain_steps_ago == 1
+    for _ in range(MEASURE_EVERY - 1):
+        assert not proposer.measuring
+        proposer.observe_step(step([[5], [6]]), 0.015, accepted=3)
+    assert proposer.measuring  # a step in MEASURE_EVERY verifies none
+
+
+def test_exploring_after_steps_without_drafts_doubles_its_interval_until_a_choice_drafts():
+    proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048,
+                        StepCost([1, 1024], [0.010, 0.0101]))
+    for _ in range(EXPLORE_AFTER - 1):
+        proposer.observe_step(step([[], [], []]), 0.012, accepted=0)
+    assert proposer.explore([0.2, 0.6, 0.4], [4, 4, 4]) is None
+    proposer.observe_step(step([[], [], []]), 0.012, accepted=0)
+    assert proposer.explore([0.2, 0.6, 0.9], [4, 4, 0]) == [0, 4, 0]  # the likeliest that has drafts
+    assert proposer.dry_steps == 0 and proposer.explore_after == 2 * EXPLORE_AFTER
+    for _ in range(20):
+        proposer.explore_after = 2 * MAX_EXPLORE_AFTER
+        proposer.dry_steps = proposer.explore_after
+        proposer.explore([0.5], [2])
+    assert proposer.explore_after == MAX_EXPLORE_AFTER
+    assert proposer.chose([0, 1]) == [0, 1] and proposer.explore_after == EXPLORE_AFTER
+
+
+def test_an_engine_whose_choice_never_drafts_still_explores(monkeypatch):
+    """The built-in model with adaptive n-gram, its choice made to answer no drafts every
+    time: after EXPLORE_AFTER steps without drafts, one request drafts all the lookup found,
+    and the outputs stay those of decoding without drafts."""
+    monkeypatch.setattr(ngram_module, "choose_num_drafts", lambda rates, *_, **__: [0] * len(rates))
+    prompt = "import os\nimport sys\nimport os\nimport sys\n"
+    params = SamplingParams(max_tokens=3 * EXPLORE_AFTER + 16, temperature=0, ignore_eos=True)
+    plain = LLM(dtype="float32", kv_cache_memory="16MiB").generate([prompt], params, use_tqdm=False)
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    out = llm.generate([prompt], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    by_k = llm.engine.stats()["spec_decode_num_steps_by_k"]
+    assert 1 <= sum(by_k[1:]) <= 3, by_k  # after 64 steps without drafts, then 128 (fewer if drafts were found late)
+    assert llm.engine.proposer.explore_after > EXPLORE_AFTER
