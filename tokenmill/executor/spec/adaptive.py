@@ -5,7 +5,7 @@ step. Both are estimated:
 - time: the step's cost as a function of the tokens it computes: the forward, measured
   once at start-up (decode-shaped forwards with logits at 1..budget tokens, interpolated
   between), plus the rest of the step (scheduling, sampling's host work, outputs), learnt
-  from the engine's decode steps as they run;
+  from the engine's decode steps without drafts as they run;
 - tokens: a request whose drafts are each accepted with probability a (given the ones
   before were) gets a + a^2 + ... + a^k extra tokens from k drafts. a is estimated per
   request from its own verifications, starting from the proposer's overall rate.
@@ -14,6 +14,10 @@ Each step ranks every draft of the batch by its expected gain and keeps as many 
 most likely ones as gives the step the most expected tokens per second. At a small batch a draft
 costs little and most are kept; at a large GEMM-bound batch each draft costs about what
 a token is worth and only likely ones stay; a request whose drafts keep failing gets none.
+
+Both estimates are checked against what the drafts then really gave and cost (Calibration),
+and after a long run of steps without drafts one request drafts anyway (Proposer.explore),
+so that an estimate that went wrong in drafts' disfavour is corrected too.
 """
 
 from __future__ import annotations
