@@ -78,7 +78,7 @@ def test_a_step_is_compared_with_the_choice_made_before_it():
     assert proposer.calibration.tokens == pytest.approx((w * 3 + 2) / (w * 3 + 3))
     assert proposer.calibration.seconds == pytest.approx((w * 0.004 + added) / (w * 0.004 + 0.004))
     assert cost.overhead == pytest.approx(0.9 * 0.1 * 0.002 + 0.1 * (0.012 - 0.01), rel=0.01)  # not from it
-    assert proposer.dry_steps == 0 and proposer.calibration.plain_steps_ago == 1
+    assert proposer.dry_steps == 0 and proposer.plain_steps_ago == 1
     for _ in range(MEASURE_EVERY - 1):
         assert not proposer.measuring
         proposer.observe_step(step([[5], [6]]), 0.015, accepted=3)

@@ -143,7 +143,6 @@ class Calibration:
         self.sums: list[float] | None = None  # real tokens, predicted tokens, real seconds, predicted seconds
         self.chosen: tuple[float, float] | None = None  # this step's choice: extra (tokens, seconds) predicted
         self.pending: tuple[float, float, float] | None = None  # the last step's: also its drafting's seconds
-        self.plain_steps_ago = 0  # decode steps since the last one that verified no drafts
 
     def observe(self, predicted_tokens: float, predicted_seconds: float, tokens: float, seconds: float) -> None:
         """A step verified chosen drafts: they added `tokens` and `seconds` against the

@@ -38,6 +38,7 @@ class Proposer:
         self.seconds = 0.0  # the last step's drafting for the next, outside the target's step (a drafter's)
         self._accepted = 0  # drafts accepted over all steps, when the last step ended
         self.dry_steps = 0  # decode steps in a row that verified no drafts
+        self.plain_steps_ago = 0  # decode steps since the last one that verified no drafts
         self.explore_after = EXPLORE_AFTER  # dry steps before one request drafts all it can
 
     @property
@@ -71,7 +72,7 @@ class Proposer:
     def measuring(self) -> bool:
         """Whether the next step verifies no drafts, so that the step's cost without them is
         measured again (see MEASURE_EVERY)."""
-        return self.calibration.plain_steps_ago >= MEASURE_EVERY
+        return self.plain_steps_ago >= MEASURE_EVERY
 
     def observe_step(self, out: SchedulerOutput, seconds: float, accepted: int) -> None:
         """Adaptive speculation learns from a step that has run: `seconds` its wall time,
@@ -89,12 +90,12 @@ class Proposer:
             return
         drafts = sum(len(d) for d in out.spec_token_ids)
         if drafts == 0:
-            cal.plain_steps_ago = 0
+            self.plain_steps_ago = 0
             self.dry_steps += 1
             self.cost.observe(out.total_num_scheduled_tokens, seconds)
             cal.fade()
             return
-        cal.plain_steps_ago += 1
+        self.plain_steps_ago += 1
         self.dry_steps = 0
         if predicted is not None:  # (drafts verified while exploring were not chosen)
             extra_tokens, extra_seconds, drafting = predicted
