@@ -205,8 +205,11 @@ def test_prompt_logprobs_match_transformers(engine_args, checkpoints):
 
 
 # n-gram drafts from the request's own tokens; short n-grams, so that these random models'
-# repetitive outputs get both accepted and rejected drafts
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+# repetitive outputs get both accepted and rejected drafts. Every draft is verified: whether
+# adaptive speculation drafts at all depends on the machine's timings (one fresh-clone CI run
+# of 2a8d396 failed a case here that two runs before and a local run passed)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+        "adaptive": False}
 
 
 @pytest.mark.parametrize("engine_args", [
