@@ -17,16 +17,19 @@ mean accepted length (tokens a request gets from one verification step: 1 + acce
 verification steps) and the share of outputs identical to decoding without drafts (always
 100% with --dtype float32, which asserts it; in bfloat16 the logits of a request's k + 1
 rows can round differently from one row's, so a near-tie between the top two tokens can
-flip, as in any engine). Methods and plain decoding take turns in each round, in an order
-that turns by one each round; the medians over rounds are compared, each ratio with a 95%
-bootstrap interval over the rounds. Every run starts with an empty prefix cache, so that it
-prefills its prompts as distinct requests would.
+flip, as in any engine). In each round every engine (plain decoding and each method) runs
+the workload at once, taking turns of `--turn` seconds (0.5; each step runs whole) in an
+order that turns by one each round, and each is timed on its own clock, the sum of its
+turns: a moment's load on the machine falls on all of them alike (tokenmill.bench.interleave). The
+medians over rounds are compared, each ratio with a 95% bootstrap interval over the rounds.
+`--turn 0`: each engine runs the whole workload in turn instead. Every run starts with an
+empty prefix cache, so that it prefills its prompts as distinct requests would.
 
 Methods: ngram, draft (the built-in draft model) and eagle (the built-in EAGLE head, which
 drafts from the target's hidden states), each adaptive (the default) and -fixed
 ("adaptive": false: every draft verified); none-2, a second engine without drafts, shows
-how far two identical engines differ. `--self-baseline`: each speculating engine also runs
-every round with its speculation switched off (its proposer and drafter set aside, so it
+how far two identical engines differ. `--self-baseline` (with --turn 0): each speculating
+engine also runs every round with its speculation switched off (its proposer and drafter set aside, so it
 steps as an engine built without them), right before or after its own run; those ratios
 compare one engine instance with itself. On the 2-core development machine an engine
 instance keeps a speed of its own: the same engine with speculation off ran 0.92-1.12x the
@@ -57,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from train_demo_model import function_prompts, functions, split_files  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.interleave import GcTime, run_interleaved  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # ngram: adaptive (the default: each step chooses each request's drafts); ngram-fixed: always
@@ -72,6 +76,7 @@ METHODS = {"ngram": NGRAM, "ngram-fixed": {**NGRAM, "adaptive": False},
            "draft": DRAFT, "draft-fixed": {**DRAFT, "adaptive": False},
            "eagle": EAGLE, "eagle-fixed": {**EAGLE, "adaptive": False}, "none-2": None}
 OUTPUT_LEN = 128
+PARAMS = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
 
 
 def rewrite_prompts(files: list[tuple[str, str]], limit: int) -> list[str]:
@@ -85,6 +90,34 @@ def rewrite_prompts(files: list[tuple[str, str]], limit: int) -> list[str]:
     return found[::max(1, len(found) // limit)][:limit]
 
 
+def inputs_of(llm: LLM, prompts: list, tokenizer_limit: int = 384) -> list[dict]:
+    """The prompts' last `tokenizer_limit` tokens, with `llm`'s prefix cache emptied: every run
+    prefills its prompts, as distinct requests would. Hits on the runs before skip the prefill
+    and the EAGLE head's catch-up, and can reuse blocks whose head entries a run with
+    speculation off never wrote (the head reads stale K/V there: worse drafts, not wrong
+    ones). In one 16-round run with cached prompts the head's acceptance at concurrency 1 was
+    0.41, against 0.76-0.79 elsewhere (which blocks went stale there was not pinned down)."""
+    llm.engine.kv_cache.reset_prefix_cache()
+    return [{"prompt_token_ids": llm.tokenizer.encode(p)[-tokenizer_limit:]} for p in prompts]
+
+
+def result(llm: LLM, outs: list, seconds: float, tpot: float, before: tuple[dict, int],
+           collecting: GcTime) -> dict:
+    """A run's figures: `outs` its outputs, `seconds` its time, `tpot` its median TPOT,
+    `before` the engine's stats and verification steps when it began, `collecting` the
+    garbage collector's passes during it."""
+    stats = llm.engine.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafted = stats["spec_decode_num_draft_tokens"] - before[0]["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"] - before[0]["spec_decode_num_accepted_tokens"]
+    verify_steps = llm.engine.scheduler.num_spec_steps - before[1]
+    return {"tpot_ms": tpot * 1e3, "output_throughput": tokens / seconds,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / verify_steps if verify_steps else None,
+            "gc_collections": collecting.count, "gc_seconds": collecting.seconds,
+            "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
 def run(llm: LLM, prompts: list, tokenizer_limit: int = 384, speculate: bool = True) -> dict:
     """The prompts through `llm`, greedy; `speculate=False`: with its speculation switched off
     for this run (the engine then steps as one built without it)."""
@@ -96,36 +129,30 @@ def run(llm: LLM, prompts: list, tokenizer_limit: int = 384, speculate: bool = T
             return run(llm, prompts, tokenizer_limit)
         finally:
             engine.proposer, engine.runner.drafter = saved
-    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
-    # every run prefills its prompts, as distinct requests would. Hits on the runs before skip
-    # the prefill and the EAGLE head's catch-up, and can reuse blocks whose head entries a run
-    # with speculation off never wrote (the head reads stale K/V there: worse drafts, not wrong
-    # ones). In one 16-round run with cached prompts the head's acceptance at concurrency 1 was
-    # 0.41, against 0.76-0.79 elsewhere (which blocks went stale there was not pinned down)
-    engine.kv_cache.reset_prefix_cache()
-    inputs = [{"prompt_token_ids": llm.tokenizer.encode(p)[-tokenizer_limit:]} for p in prompts]
-    before = llm.engine.stats()
-    steps_before = llm.engine.scheduler.num_spec_steps
+    inputs = inputs_of(llm, prompts, tokenizer_limit)
+    before = engine.stats(), engine.scheduler.num_spec_steps
     collecting = GcTime()
     gc.callbacks.append(collecting)
     t0 = time.perf_counter()
     try:
-        outs = llm.generate(inputs, params, use_tqdm=False)
+        outs = llm.generate(inputs, PARAMS, use_tqdm=False)
     finally:
         elapsed = time.perf_counter() - t0
         gc.callbacks.remove(collecting)
-    stats = llm.engine.stats()
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     tpot = statistics.median((o.metrics.last_token_time - o.metrics.first_token_time)
                              / (len(o.outputs[0].token_ids) - 1) for o in outs)
-    drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-    verify_steps = llm.engine.scheduler.num_spec_steps - steps_before
-    return {"tpot_ms": tpot * 1e3, "output_throughput": tokens / elapsed,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": 1 + accepted / verify_steps if verify_steps else None,
-            "gc_collections": collecting.count, "gc_seconds": collecting.seconds,
-            "token_ids": [o.outputs[0].token_ids for o in outs]}
+    return result(llm, outs, elapsed, tpot, before, collecting)
+
+
+def run_turns(llms: dict[str, LLM], prompts: list, turn: float, tokenizer_limit: int = 384) -> dict[str, dict]:
+    """The prompts through every engine at once, taking turns of `turn` seconds in the order
+    given (tokenmill.bench.interleave), each timed on its own clock."""
+    inputs = {name: inputs_of(llm, prompts, tokenizer_limit) for name, llm in llms.items()}
+    before = {name: (llm.engine.stats(), llm.engine.scheduler.num_spec_steps) for name, llm in llms.items()}
+    ids = [x["prompt_token_ids"] for x in next(iter(inputs.values()))]
+    turns = run_interleaved(llms, ids, PARAMS, turn)
+    return {name: result(llms[name], t.outputs, t.seconds, statistics.median(t.time_per_output_token()),
+                         before[name], t.collecting) for name, t in turns.items()}
 
 
 def median_interval(ratios: list[float], resamples: int = 2000, seed: int = 0) -> list[float] | None:
@@ -139,21 +166,6 @@ def median_interval(ratios: list[float], resamples: int = 2000, seed: int = 0) -
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
     return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
-
-
-class GcTime:
-    """A gc.callbacks entry: the garbage collector's passes and their seconds during a run
-    (an EAGLE engine's bookkeeping once made it collect 16 times as often as a plain one)."""
-
-    def __init__(self) -> None:
-        self.count, self.seconds, self._start = 0, 0.0, 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.count += 1
-            self.seconds += time.perf_counter() - self._start
 
 
 def main() -> None:
@@ -170,6 +182,9 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None, help="the draft methods' checkpoint (default: the built-in "
                         "draft, the default draft for the built-in model)")
     parser.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the built-in one)")
+    parser.add_argument("--turn", type=float, default=0.5,
+                        help="seconds of each engine's turn in a round's interleaved run (tokenmill.bench.interleave); "
+                        "0: each engine runs the whole workload in turn")
     parser.add_argument("--self-baseline", action="store_true",
                         help="each speculating engine also runs every round with its speculation switched off; "
                         "ratios against those runs too (one engine instance, so its own forward speed on both "
@@ -179,6 +194,8 @@ def main() -> None:
                         "verifies its first 32, to learn its rate): the cost of speculation that does not pay")
     parser.add_argument("--output-json", default="bench_results/speculative.json")
     args = parser.parse_args()
+    if args.self_baseline and args.turn:
+        parser.error("--self-baseline: needs --turn 0 (an engine's runs with speculation on and off cannot interleave)")
     if args.no_drafts:
         from tokenmill.executor.spec import draft, ngram
 
@@ -219,7 +236,12 @@ def main() -> None:
             names = list(llms)
             off = {name: [] for name in names if args.self_baseline and METHODS.get(name)}
             for r in range(args.rounds):  # the order turns each round: no method is always first
-                for name in names[r % len(names):] + names[:r % len(names)]:
+                order = names[r % len(names):] + names[:r % len(names)]
+                if args.turn:
+                    for name, res in run_turns({n: llms[n] for n in order}, prompts, args.turn).items():
+                        results[name].append(res)
+                    continue
+                for name in order:
                     if name in off and r % 2:  # speculation off and on back to back, either first
                         off[name].append(run(llms[name], prompts, speculate=False))
                     results[name].append(run(llms[name], prompts))

@@ -2,7 +2,7 @@
 really added against what choosing them predicted (Calibration), one step in MEASURE_EVERY
 without drafts so that the step's cost without them stays measured, and an exploration
 after a run of steps without drafts, so that a rate learnt from a few unlucky drafts does
-not stop drafting for good."""
+not stop drafting for good (where drafts accepted at a high rate would pay)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SpeculativeConfig
 from tokenmill.executor.spec import ngram as ngram_module
-from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, Calibration, StepCost,
-                                              choose_num_drafts)
+from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, OPTIMISTIC_RATE,
+                                              Calibration, StepCost, choose_num_drafts)
 from tokenmill.executor.spec.proposer import Proposer
 
 
@@ -102,11 +102,46 @@ def test_exploring_after_steps_without_drafts_doubles_its_interval_until_a_choic
     assert proposer.chose([0, 1]) == [0, 1] and proposer.explore_after == EXPLORE_AFTER
 
 
-def test_an_engine_whose_choice_never_drafts_still_explores(monkeypatch):
-    """The built-in model with adaptive n-gram, its choice made to answer no drafts every
-    time: after EXPLORE_AFTER steps without drafts, one request drafts all the lookup found,
-    and the outputs stay those of decoding without drafts."""
-    monkeypatch.setattr(ngram_module, "choose_num_drafts", lambda rates, *_, **__: [0] * len(rates))
+def test_exploring_only_where_drafts_accepted_at_the_optimistic_rate_would_be_chosen():
+    proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048,
+                        StepCost([1, 1024], [0.010, 0.0101]))
+    asked = []
+
+    def never(rates):
+        asked.append(rates)
+        return [0] * len(rates)
+
+    proposer.dry_steps = proposer.explore_after
+    assert proposer.explore([0.2, 0.95], [4, 4], never) is None
+    assert asked == [[OPTIMISTIC_RATE, 0.95]]  # each rate at least the optimistic one
+    assert proposer.dry_steps == 0 and proposer.explore_after == 2 * EXPLORE_AFTER  # tried again later
+    proposer.dry_steps = proposer.explore_after
+    assert proposer.explore([0.2, 0.6], [4, 4], lambda rates: [1, 0]) == [0, 4]
+    # the step's real choice, with the cost model: one request alone, drafts cheap, is worth
+    # exploring; 64 requests over 512 tokens of context each, where a draft's attention
+    # costs what a token is worth, are not
+    cost = StepCost([1, 64, 128, 512], [0.005, 0.010, 0.016, 0.050])
+    cost.attention = 1e-6
+    for n, context, explores in ((1, 100, True), (64, 512, False)):
+        def choose(rates):
+            return choose_num_drafts(rates, [4] * n, n, cost, contexts=[context] * n)
+        proposer.dry_steps = proposer.explore_after
+        assert (proposer.explore([0.3] * n, [4] * n, choose) is not None) == explores
+
+
+@pytest.mark.parametrize("pays_if_likely", [True, False])
+def test_an_engine_whose_choice_never_drafts_explores_where_likely_drafts_would_pay(monkeypatch, pays_if_likely):
+    """The built-in model with adaptive n-gram, its choice made to answer no drafts at the
+    rates it has: after EXPLORE_AFTER steps without drafts, one request drafts all the
+    lookup found, where drafts accepted at OPTIMISTIC_RATE would be chosen; where not even
+    those would, none; the outputs stay those of decoding without drafts."""
+    def choose(rates, limits, *_, calibration=None, **__):
+        # the step's own choice (with the calibration) says no; the exploration's question
+        # (each rate at least OPTIMISTIC_RATE, without it) says yes where likely drafts pay
+        likely = pays_if_likely and calibration is None and min(rates) >= OPTIMISTIC_RATE
+        return list(limits) if likely else [0] * len(rates)
+
+    monkeypatch.setattr(ngram_module, "choose_num_drafts", choose)
     prompt = "import os\nimport sys\nimport os\nimport sys\n"
     params = SamplingParams(max_tokens=3 * EXPLORE_AFTER + 16, temperature=0, ignore_eos=True)
     plain = LLM(dtype="float32", kv_cache_memory="16MiB").generate([prompt], params, use_tqdm=False)
@@ -115,5 +150,8 @@ def test_an_engine_whose_choice_never_drafts_still_explores(monkeypatch):
     out = llm.generate([prompt], params, use_tqdm=False)
     assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     by_k = llm.engine.stats()["spec_decode_num_steps_by_k"]
-    assert 1 <= sum(by_k[1:]) <= 3, by_k  # after 64 steps without drafts, then 128 (fewer if drafts were found late)
+    if pays_if_likely:  # after 64 steps without drafts, then 128 (fewer if drafts were found late)
+        assert 1 <= sum(by_k[1:]) <= 3, by_k
+    else:
+        assert sum(by_k[1:]) == 0, by_k
     assert llm.engine.proposer.explore_after > EXPLORE_AFTER

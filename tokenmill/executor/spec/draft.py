@@ -37,7 +37,7 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.loader import load_model
-from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts, measure_step_cost
+from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts, measure_step_cost
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 
 if TYPE_CHECKING:
@@ -120,13 +120,17 @@ class DraftModel(Proposer, CacheOwner):
         if self._rests(len(requests)) or self.measuring:
             return [0] * len(requests)
         rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for r in requests]
-        if (ks := self.explore(rates, limits)) is not None:
-            self.rest_length = self.resting = 0
-            return ks
         contexts, behind, first_rows = inputs()
         remaining = [r.max_tokens - r.num_output_tokens for r in requests]
-        ks = self.chose(choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
-                                          remaining, first_rows, self.calibration))
+
+        def choose(rates: list[float], calibration: Calibration | None = None) -> list[int]:
+            return choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
+                                     remaining, first_rows, calibration)
+
+        if (ks := self.explore(rates, limits, choose)) is not None:
+            self.rest_length = self.resting = 0
+            return ks
+        ks = self.chose(choose(rates, self.calibration))
         if any(ks):
             self.rest_length = self.resting = 0
         else:

@@ -12,7 +12,7 @@ import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
-from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts
+from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 
 
@@ -113,9 +113,14 @@ class NgramProposer(Proposer):
             prior = acceptance(accepted, rejected, prior=0.5)
             rates = [acceptance(r.spec_accepted, r.spec_rejected, prior) for r in drafting]
             limits = [len(d) for d in drafts]
-            chosen = [0] * len(drafts) if self.measuring else self.explore(rates, limits) or \
-                self.chose(choose_num_drafts(rates, limits, num_running, self.cost,
-                                             contexts=[r.num_tokens for r in drafting], calibration=self.calibration))
+            contexts = [r.num_tokens for r in drafting]
+
+            def choose(rates: list[float], calibration: Calibration | None = None) -> list[int]:
+                return choose_num_drafts(rates, limits, num_running, self.cost, contexts=contexts,
+                                         calibration=calibration)
+
+            chosen = [0] * len(drafts) if self.measuring else self.explore(rates, limits, choose) or \
+                self.chose(choose(rates, self.calibration))
             drafts = [d[:k] for d, k in zip(drafts, chosen)]
         for request, d in zip(drafting, drafts):
             request.spec_token_ids = d

@@ -6,7 +6,10 @@ from __future__ import annotations
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.spec.adaptive import EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, Calibration, StepCost
+from collections.abc import Callable
+
+from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, OPTIMISTIC_RATE,
+                                              Calibration, StepCost)
 
 
 def can_speculate(request: Request) -> str | None:
@@ -46,7 +49,8 @@ class Proposer:
         """Whether the next choice is an exploration (see `explore`)."""
         return self.dry_steps >= self.explore_after
 
-    def explore(self, rates: list[float], limits: list[int]) -> list[int] | None:
+    def explore(self, rates: list[float], limits: list[int],
+                choose: Callable[[list[float]], list[int]] | None = None) -> list[int] | None:
         """After `explore_after` decode steps without a verified draft, one request, the
         likeliest, drafts all it can: a rate learnt from a few unlucky drafts would otherwise
         stay below what drafts are worth, and drafting would never start again. The built-in
@@ -54,11 +58,17 @@ class Proposer:
         its first 32 (the exploring phase), after which a request's rate started at 0.53 and
         no draft was chosen; with every draft verified, 61% were accepted and the time per
         output token was 1.51x better. None: the step chooses as usual (a choice with drafts
-        resets the interval; an exploration doubles it)."""
+        resets the interval; an exploration doubles it).
+        `choose`: the step's choice for given rates. The exploration is made only where it
+        would keep drafts at OPTIMISTIC_RATE: at 16 requests an EAGLE head's exploring request
+        ran its 512 waiting pairs through the head first, a step's worth of time, where no
+        rate could make its drafts pay."""
         if not self.exploring or not any(limits):
             return None
         self.dry_steps = 0
         self.explore_after = min(MAX_EXPLORE_AFTER, 2 * self.explore_after)
+        if choose is not None and not any(choose([max(OPTIMISTIC_RATE, r) for r in rates])):
+            return None
         best = max(range(len(rates)), key=lambda i: (limits[i] > 0, rates[i]))
         return [limits[i] if i == best else 0 for i in range(len(rates))]
 
