@@ -18,8 +18,8 @@ import gc
 import time
 from collections.abc import Sequence
 
-from tokenmill.llm import LLM
 from tokenmill.engine.request import RequestOutput
+from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
 

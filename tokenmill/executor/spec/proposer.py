@@ -3,11 +3,11 @@ for, and the counts the metrics report."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
-from collections.abc import Callable
-
 from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, OPTIMISTIC_RATE,
                                               Calibration, StepCost)
 
