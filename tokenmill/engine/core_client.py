@@ -285,14 +285,17 @@ class EngineCoreClient(EngineClient):
 
     # -- outputs (output thread) --------------------------------------------------
     def _watch(self, core: _Core) -> None:
-        """Receives the core's step messages; when its process ends, reports that and, with
-        `restart`, starts the next core. Once the client stops, it waits STOP_GRACE_S for the
+        """Receives the core's step messages; when its process ends, or it sends the error it
+        ends with (its exit can take seconds on a loaded machine), reports that and, with
+        `restart`, starts the next core once the last has exited. Once the client stops, it waits STOP_GRACE_S for the
         core to exit and kills it then; a core it started meanwhile it kills at once."""
         while True:
             error: str | None = None
             while core.is_alive():
                 if core.outputs.poll(DEATH_POLL_MS):
                     error = self._receive(core) or error
+                    if error is not None:  # its last message: it is ending, however long its exit takes
+                        break
                 if self._stopping and time.monotonic() - self._stop_time > STOP_GRACE_S:
                     core.kill()
             while core.outputs.poll(100):  # what it sent before it ended is read first
@@ -305,6 +308,10 @@ class EngineCoreClient(EngineClient):
             self._call(self._core_died, core, reason)
             if not self.restart:
                 return
+            deadline = time.monotonic() + STOP_GRACE_S  # the failed core's exit, before the next starts
+            while core.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            core.kill()
             try:
                 core = self._launch()
             except Exception as e:  # noqa: BLE001 - the server stays up, answering 503
