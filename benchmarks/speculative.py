@@ -147,9 +147,11 @@ def run(llm: LLM, prompts: list, tokenizer_limit: int = 384, speculate: bool = T
 def run_turns(llms: dict[str, LLM], prompts: list, turn: float, tokenizer_limit: int = 384) -> dict[str, dict]:
     """The prompts through every engine at once, taking turns of `turn` seconds in the order
     given (tokenmill.bench.interleave), each timed on its own clock."""
-    inputs = {name: inputs_of(llm, prompts, tokenizer_limit) for name, llm in llms.items()}
+    first, *others = llms.values()  # the prompts tokenized once (one tokenizer); every prefix cache emptied
+    ids = [x["prompt_token_ids"] for x in inputs_of(first, prompts, tokenizer_limit)]
+    for llm in others:
+        llm.engine.kv_cache.reset_prefix_cache()
     before = {name: (llm.engine.stats(), llm.engine.scheduler.num_spec_steps) for name, llm in llms.items()}
-    ids = [x["prompt_token_ids"] for x in next(iter(inputs.values()))]
     turns = run_interleaved(llms, ids, PARAMS, turn)
     return {name: result(llms[name], t.outputs, t.seconds, statistics.median(t.time_per_output_token()),
                          before[name], t.collecting) for name, t in turns.items()}
