@@ -57,12 +57,14 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits
     request's first drafting step; one request is held back by min_tokens for its first 10
     tokens, its pairs waiting meanwhile; `waits`: adaptive speculation, made to give every
     request no drafts in two choices of three, so that verified pairs wait too; asked every
-    step, or ("rests") after rests of 1, 2, ... steps that ask nothing and keep every pair.
+    step, or ("rests") after rests of 1, 2, ... steps that ask nothing and keep every pair
+    (logged, when each request computes one token, and handed out later).
     After each step every request's drafts equal the dense reference's for its tokens (an
     off-by-one in pairing tokens with hidden states, or a lost chunk, changes most)."""
     from transformers import AutoModelForCausalLM
 
     from tokenmill.executor.spec import draft as drafter
+    from tokenmill.executor.spec.eagle import EagleProposer
 
     if waits:
         eagle = LLM(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=96,
@@ -72,6 +74,9 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits
                             list(limits) if next(calls) % 3 == 0 else [0] * len(limits))
         if waits != "rests":
             monkeypatch.setattr(drafter, "MAX_REST", 0)  # asked every step
+    logged = []  # resting steps of one token a request, logged whole (EagleProposer._log_rest)
+    log_rest = EagleProposer._log_rest
+    monkeypatch.setattr(EagleProposer, "_log_rest", lambda self, *a: logged.append(1) or log_rest(self, *a))
     target = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
     head = EagleHead(target.config)
     head.load_checkpoint(load_file(DEFAULT_EAGLE_MODEL_DIR / "model.safetensors"))
@@ -101,7 +106,9 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits
     if waits:
         assert engine.stats()["spec_decode_num_steps_by_k"][0] > 20  # request-steps that waited
     if waits == "rests":
-        assert max(resting) >= 2  # rests of 2 steps and more
+        assert max(resting) >= 2 and len(logged) > 10  # rests of 2 steps and more
+    else:
+        assert not logged
     print(f"{same} of {total} drafts equal")
     assert same >= 0.97 * total, (same, total)  # float32 both ways: only near-ties may differ
 

@@ -96,20 +96,21 @@ class Proposer:
         seconds -= self.seconds
         predicted, cal.pending = cal.pending, (*cal.chosen, self.seconds) if cal.chosen else None
         cal.chosen = None
-        if not out.is_decode_only:
+        total = out.total_num_scheduled_tokens
+        drafts = total - len(out.spec_token_ids)  # in a decode-only step, each request's 1 + its drafts
+        if drafts and not out.is_decode_only:  # (no drafts and one token each: decode-only, at C speed)
             return
-        drafts = sum(len(d) for d in out.spec_token_ids)
         if drafts == 0:
             self.plain_steps_ago = 0
             self.dry_steps += 1
-            self.cost.observe(out.total_num_scheduled_tokens, seconds)
+            self.cost.observe(total, seconds)
             cal.fade()
             return
         self.plain_steps_ago += 1
         self.dry_steps = 0
         if predicted is not None:  # (drafts verified while exploring were not chosen)
             extra_tokens, extra_seconds, drafting = predicted
-            added = drafting + seconds - self.cost(out.total_num_scheduled_tokens - drafts)
+            added = drafting + seconds - self.cost(total - drafts)
             cal.observe(extra_tokens, extra_seconds, tokens, added)
 
     def room(self, request: Request, new_tokens: int = 0) -> int:
