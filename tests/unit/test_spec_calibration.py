@@ -155,3 +155,31 @@ def test_an_engine_whose_choice_never_drafts_explores_where_likely_drafts_would_
     else:
         assert sum(by_k[1:]) == 0, by_k
     assert llm.engine.proposer.explore_after > EXPLORE_AFTER
+
+
+def test_an_overhead_learnt_on_a_slow_machine_goes_once_plain_steps_are_fast_again():
+    """While the machine is slow (another load) the target's overhead grows, and drafts look
+    cheap; a batch that then drafts every step measures a plain step only every
+    MEASURE_EVERY. The first fast one weighs half, and plain steps go on being measured
+    while they run well under the cost, so the overhead is back within a few steps; a
+    single stall counts for at most STALL times the cost."""
+    from tokenmill.executor.spec.proposer import RECHECK, STALL
+
+    cost = StepCost([1, 1024], [0.010, 0.0101])
+    proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048, cost)
+    for _ in range(20):  # 20 ms steps: learnt gradually (each counts for at most STALL times the cost)
+        proposer.observe_step(step([[], []]), 0.020, accepted=0)
+    assert cost.overhead == pytest.approx(0.010 * (1 - 0.9 ** 20), rel=0.01)
+    for _ in range(60):  # then a slow machine: plain steps of 50 ms
+        proposer.observe_step(step([[], []]), 0.050, accepted=0)
+    assert cost.overhead > 0.035
+    for _ in range(MEASURE_EVERY):  # drafting every step
+        proposer.observe_step(step([[5], [6]]), 0.060, accepted=1)
+    assert proposer.measuring
+    plain = 0
+    while proposer.measuring:  # fast again: 12 ms, 2 ms of overhead
+        proposer.observe_step(step([[], []]), 0.012, accepted=1)
+        plain += 1
+    assert plain <= 5 and cost.overhead < 0.0035 and 0.012 >= RECHECK * cost(2)
+    proposer.observe_step(step([[], []]), 1.0, accepted=1)  # a stall
+    assert cost.overhead < 0.9 * 0.0035 + 0.1 * (STALL * (0.010 + 0.0035) - 0.010)

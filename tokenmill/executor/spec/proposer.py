@@ -11,6 +11,10 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, OPTIMISTIC_RATE,
                                               Calibration, StepCost)
 
+FAST_WEIGHT = 0.5  # the most a plain step faster than the target's cost weighs in its overhead
+RECHECK = 0.8  # a plain step this much under the cost: the next step is measured without drafts too
+STALL = 2.0  # the most a plain step slower than the target's cost counts for, in times the cost
+
 
 def can_speculate(request: Request) -> str | None:
     """None when the request's drafts can be verified exactly here; else what rules it out
@@ -101,9 +105,8 @@ class Proposer:
         if drafts and not out.is_decode_only:  # (no drafts and one token each: decode-only, at C speed)
             return
         if drafts == 0:
-            self.plain_steps_ago = 0
             self.dry_steps += 1
-            self.cost.observe(total, seconds)
+            self._observe_plain(total, seconds)
             cal.fade()
             return
         self.plain_steps_ago += 1
@@ -112,6 +115,23 @@ class Proposer:
             extra_tokens, extra_seconds, drafting = predicted
             added = drafting + seconds - self.cost(total - drafts)
             cal.observe(extra_tokens, extra_seconds, tokens, added)
+
+    def _observe_plain(self, num_tokens: int, seconds: float) -> None:
+        """A decode step without drafts took `seconds`: the target's step cost learns its
+        overhead (a moving average, 0.1 a step). A step faster than the cost says weighs as
+        much as the steps since the last plain one (at most half), and one more plain step
+        is measured next while they disagree by RECHECK: an overhead learnt while the machine
+        was slow (another load) makes drafts look cheap, and a batch that drafts every step
+        measures a plain one only every MEASURE_EVERY steps. (With 0.1 a measurement, an
+        engine of 16 requests whose steps were slowed by a second process went on drafting
+        every step after it ended, 0.86x the throughput of one without drafts.) A slower step
+        weighs 0.1, and counts for at most STALL times the cost: a stall slows drafts too,
+        and passes."""
+        predicted = self.cost(num_tokens)
+        faster = seconds < predicted
+        decay = max(1 - FAST_WEIGHT, 0.9 ** (1 + self.plain_steps_ago)) if faster else 0.9
+        self.cost.observe(num_tokens, min(seconds, STALL * predicted), decay)
+        self.plain_steps_ago = MEASURE_EVERY if seconds < RECHECK * predicted else 0
 
     def room(self, request: Request, new_tokens: int = 0) -> int:
         """The drafts that fit, with the token after them, within max_tokens and max_model_len,
