@@ -11,7 +11,6 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, OPTIMISTIC_RATE,
                                               Calibration, StepCost)
 
-FAST_WEIGHT = 0.5  # the most a plain step faster than the target's cost weighs in its overhead
 RECHECK = 0.8  # a plain step this much under the cost: the next step is measured without drafts too
 STALL = 2.0  # the most a plain step slower than the target's cost counts for, in times the cost
 
@@ -118,19 +117,17 @@ class Proposer:
 
     def _observe_plain(self, num_tokens: int, seconds: float) -> None:
         """A decode step without drafts took `seconds`: the target's step cost learns its
-        overhead (a moving average, 0.1 a step). A step faster than the cost says weighs as
-        much as the steps since the last plain one (at most half), and one more plain step
-        is measured next while they disagree by RECHECK: an overhead learnt while the machine
-        was slow (another load) makes drafts look cheap, and a batch that drafts every step
-        measures a plain one only every MEASURE_EVERY steps. (With 0.1 a measurement, an
-        engine of 16 requests whose steps were slowed by a second process went on drafting
-        every step after it ended, 0.86x the throughput of one without drafts.) A slower step
-        weighs 0.1, and counts for at most STALL times the cost: a stall slows drafts too,
-        and passes."""
+        overhead (a moving average, 0.1 a step), a step counting for at most STALL times the
+        cost (a stall slows drafts too, and passes). A plain step under RECHECK times the
+        cost has the next step measured without drafts too, until they agree: an overhead
+        learnt while the machine was slow (another load) makes drafts look cheap, and a batch
+        that drafts every step measures a plain step only every MEASURE_EVERY steps. (Without
+        this, an engine of 16 EAGLE requests whose steps a second process had slowed went on
+        drafting in every step after it ended, at 0.93x the throughput of one without drafts.
+        Weighing a faster plain step up to half, as tried, learnt the overhead too low where
+        drafts pay a little: EAGLE at 4 requests stopped drafting.)"""
         predicted = self.cost(num_tokens)
-        faster = seconds < predicted
-        decay = max(1 - FAST_WEIGHT, 0.9 ** (1 + self.plain_steps_ago)) if faster else 0.9
-        self.cost.observe(num_tokens, min(seconds, STALL * predicted), decay)
+        self.cost.observe(num_tokens, min(seconds, STALL * predicted))
         self.plain_steps_ago = MEASURE_EVERY if seconds < RECHECK * predicted else 0
 
     def room(self, request: Request, new_tokens: int = 0) -> int:
