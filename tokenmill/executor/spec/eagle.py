@@ -227,8 +227,9 @@ class EagleProposer(DraftModel):
                 w = pending.get(request.request_id)
                 if w is None or w.end != position:
                     w = pending[request.request_id] = Waiting(position)
-                w.add(request.all_token_ids[position + 1:position + 1 + steps],
-                      first.slab[first.base + r::n] if steps > 1 else first.slab, first.base + r if steps == 1 else 0)
+                # its rows: every n-th from its own over a run, or the one row of a single step
+                source, row = (first.slab[first.base + r::n], 0) if steps > 1 else (first.slab, first.base + r)
+                w.add(request.all_token_ids[position + 1:position + 1 + steps], source, row)
             i = j
 
     def _keep(self, waiting: list[tuple[int, Request, int, int, list[int]]], hidden: torch.Tensor) -> None:

@@ -126,8 +126,9 @@ class Proposer:
         drafting in every step after it ended, at 0.93x the throughput of one without drafts.
         Weighing a faster plain step up to half, as tried, learnt the overhead too low where
         drafts pay a little: EAGLE at 4 requests stopped drafting.)"""
-        predicted = self.cost(num_tokens)
-        self.cost.observe(num_tokens, min(seconds, STALL * predicted))
+        x = float(self.cost.forward(num_tokens))  # (one interpolation a step, not two)
+        predicted = x + self.cost.overhead
+        self.cost.observe_curve(x, min(seconds, STALL * predicted))
         self.plain_steps_ago = MEASURE_EVERY if seconds < RECHECK * predicted else 0
 
     def room(self, request: Request, new_tokens: int = 0) -> int:
