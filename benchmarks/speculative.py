@@ -27,7 +27,8 @@ empty prefix cache, so that it prefills its prompts as distinct requests would.
 
 Methods: ngram, draft (the built-in draft model) and eagle (the built-in EAGLE head, which
 drafts from the target's hidden states), each adaptive (the default) and -fixed
-("adaptive": false: every draft verified); none-2, a second engine without drafts, shows
+("adaptive": false: every draft verified), and each drafter's also -fullvocab (its LM head
+over the whole vocabulary, not its built-in token map); none-2, a second engine without drafts, shows
 how far two identical engines differ. `--self-baseline` (with --turn 0): each speculating
 engine also runs every round with its speculation switched off (its proposer and drafter set aside, so it
 steps as an engine built without them), right before or after its own run; those ratios
@@ -75,6 +76,10 @@ EAGLE = {"method": "eagle", "num_speculative_tokens": 4}
 METHODS = {"ngram": NGRAM, "ngram-fixed": {**NGRAM, "adaptive": False},
            "draft": DRAFT, "draft-fixed": {**DRAFT, "adaptive": False},
            "eagle": EAGLE, "eagle-fixed": {**EAGLE, "adaptive": False}, "none-2": None}
+# draft-fullvocab, eagle-fixed-fullvocab, ...: the drafter's LM head over the whole vocabulary,
+# not cut to its built-in token map (executor/spec/vocab.py); only when named in --methods
+FULL_VOCAB = {f"{m}-fullvocab": {**METHODS[m], "token_map": False}
+              for m in ("draft", "draft-fixed", "eagle", "eagle-fixed")}
 OUTPUT_LEN = 128
 PARAMS = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
 
@@ -174,7 +179,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     parser.add_argument("--methods", type=lambda s: s.split(","), default=None,
-                        help=f"of {', '.join(METHODS)}; default: all (the n-gram ones with --model)")
+                        help=f"of {', '.join(METHODS)}, {', '.join(FULL_VOCAB)}; default: all but the -fullvocab "
+                        "ones (the n-gram ones with --model)")
     parser.add_argument("--sets", type=lambda s: s.split(","), default=["completion", "rewrite"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
@@ -208,9 +214,15 @@ def main() -> None:
     if args.draft_model:
         for name in ("draft", "draft-fixed"):
             METHODS[name] = {**METHODS[name], "model": args.draft_model}
+            FULL_VOCAB[f"{name}-fullvocab"]["model"] = args.draft_model
     if args.eagle_model:
         for name in ("eagle", "eagle-fixed"):
             METHODS[name] = {**METHODS[name], "model": args.eagle_model}
+            FULL_VOCAB[f"{name}-fullvocab"]["model"] = args.eagle_model
+    unknown = sorted(set(args.methods or ()) - set(METHODS) - set(FULL_VOCAB))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown[0]!r}")
+    METHODS.update(FULL_VOCAB)
 
     _, val_files = split_files()
     most = 2 * max(max(args.concurrency), 4)
@@ -218,7 +230,8 @@ def main() -> None:
             "rewrite": rewrite_prompts(val_files, most)}
     model = args.model
     if args.methods is None:
-        args.methods = [m for m in METHODS if model is None or m.startswith(("ngram", "none"))]
+        args.methods = [m for m in METHODS
+                        if m not in FULL_VOCAB and (model is None or m.startswith(("ngram", "none")))]
     if model == "56m":
         import tempfile
 

@@ -56,7 +56,10 @@ class SpeculativeConfig:
     - `draft_model`: a smaller model with the target's tokenizer (`model`; for the built-in
       model, its built-in draft by default) drafts greedily (executor/spec/draft.py);
     - `eagle`: an EAGLE-1 head (`model`; for the built-in model, its built-in head by
-      default) drafts from the target's own hidden states (executor/spec/eagle.py)."""
+      default) drafts from the target's own hidden states (executor/spec/eagle.py).
+    `token_map` (draft_model, eagle; SGLang's `--speculative-token-map`): a file of the token
+    ids the drafter's LM head is cut to (executor/spec/vocab.py); None: the built-in drafter's
+    own map for the built-in model, else the whole vocabulary; False: the whole vocabulary."""
 
     method: str
     num_speculative_tokens: int
@@ -66,10 +69,12 @@ class SpeculativeConfig:
     # beyond vLLM: each step chooses each request's drafts (0 to num_speculative_tokens) from
     # their measured acceptance and the step's cost (executor/spec/adaptive.py)
     adaptive: bool = True
+    token_map: str | bool | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
-        known = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive")
+        known = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive",
+                 "token_map")
         unknown = sorted(set(d) - set(known))
         if unknown:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (supported: {', '.join(known)})")
@@ -100,7 +105,13 @@ class SpeculativeConfig:
         adaptive = d.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
-        return cls(method, k, lo, hi, model, adaptive)
+        token_map = d.get("token_map")
+        if token_map is not None and token_map is not False and not isinstance(token_map, str):
+            raise ValueError(f"speculative_config.token_map must be a file of token ids or false, got {token_map!r}")
+        if method == "ngram" and token_map not in (None, False):
+            raise ValueError("speculative_config.token_map: a token map cuts a drafter's LM head; it is for methods "
+                             "'draft_model' and 'eagle', not 'ngram'")
+        return cls(method, k, lo, hi, model, adaptive, token_map)
 
 
 @dataclass(slots=True)

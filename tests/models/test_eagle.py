@@ -38,15 +38,20 @@ def plain():
 
 
 @torch.no_grad()
-def reference_drafts(target, head: EagleHead, tokens: list[int], k: int) -> list[int]:
+def reference_drafts(target, head: EagleHead, tokens: list[int], k: int,
+                     vocab: torch.Tensor | None = None) -> list[int]:
     """The head's k greedy drafts after `tokens`, densely: pairs (token p + 1, the target's
-    hidden state at p) for every known position, then the head's own outputs."""
+    hidden state at p) for every known position, then the head's own outputs; `vocab`: the
+    argmax over those token ids only (the head's token map)."""
     ids = torch.tensor(tokens)
     feats = target.model(ids[None, :-1]).last_hidden_state[0]
     pairs, own, drafts = ids[1:], feats, []
     for _ in range(k):
         out = head(target.model.embed_tokens(pairs)[None], own[None], torch.arange(len(pairs)))[0]
-        drafts.append(int(target.lm_head(out[-1]).argmax()))
+        logits = target.lm_head(out[-1])
+        if vocab is not None:
+            logits = torch.full_like(logits, -torch.inf).index_copy_(0, vocab, logits[vocab])
+        drafts.append(int(logits.argmax()))
         pairs, own = torch.cat((pairs, torch.tensor(drafts[-1:]))), torch.cat((own, out[-1:]))
     return drafts
 
@@ -82,6 +87,8 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits
     head.load_checkpoint(load_file(DEFAULT_EAGLE_MODEL_DIR / "model.safetensors"))
     head.eval()
     engine = eagle.engine
+    vocab = engine.runner.drafter.vocab.ids.cpu()  # the built-in head's token map, on by default
+    assert len(vocab) == 4096
     params = [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=64, temperature=0, min_tokens=10),
               SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)]
@@ -98,7 +105,7 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits
         assert not late.spec_token_ids or late.num_output_tokens >= 10
         for request in requests:
             if request.spec_token_ids:
-                want = reference_drafts(target, head, request.all_token_ids, len(request.spec_token_ids))
+                want = reference_drafts(target, head, request.all_token_ids, len(request.spec_token_ids), vocab)
                 same += sum(a == b for a, b in zip(request.spec_token_ids, want))
                 total += len(want)
     assert total > (50 if waits == "rests" else 100)  # (resting steps draft nothing)

@@ -187,13 +187,14 @@ TIMING_ROUNDS = 3  # rounds over the token counts when timing the forwards at st
 
 @torch.inference_mode()
 def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512,
-                      robust: bool = False, catch_up: bool = False) -> StepCost:
+                      robust: bool = False, catch_up: bool = False, argmax=None) -> StepCost:
     """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
     n = 1, 2, 4, ... up to max_tokens, the fastest of `repeats` and of TIMING_ROUNDS - 1
     later rounds over all the counts in turn; then 16 of them again over
     `context` tokens each: what attention adds per context token. `catch_up` (a drafter):
     also one sequence of up to 256 tokens with logits at its last, as a drafter catches up
-    with a request's tokens: its seconds per token. They run over the runner's own cache
+    with a request's tokens: its seconds per token. `argmax`: the ids from the hidden states
+    (default: the argmax of the model's logits). They run over the runner's own cache
     before any request is in it (no second cache: on a GPU the first takes what memory
     there is), as far as its blocks go."""
     bs = runner.block_size
@@ -206,6 +207,9 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     per_seq = -(-context // bs)
     backend = runner.make_backend(runner.kv_cache)
     put = runner.staging.to_device
+    if argmax is None:
+        def argmax(hidden: torch.Tensor) -> torch.Tensor:
+            return runner.sampler._argmax(runner.model.compute_logits(hidden))
 
     def forward(n: int, seq_len: int, query: int = 1, repeats: int = repeats, warm_up: bool = True,
                 most: int = 6) -> float:
@@ -224,7 +228,7 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
             hidden = runner.model(put(np.zeros(n * query, dtype=np.int64)), put(positions), backend)
             if query > 1:
                 hidden = hidden[query - 1::query]
-            ids = runner.sampler._argmax(runner.model.compute_logits(hidden))
+            ids = argmax(hidden)
             runner.sampler.to_host(ids)[0].tolist()
             runner.staging.end()
             took = time.perf_counter() - start

@@ -18,7 +18,8 @@ One step, after verification:
 A request's draft-computed length never passes the target's num_computed_tokens (the
 next token's slot may be freed by the rollback), and a preempted request starts from 0.
 Drafts are the draft model's argmax, a point mass, so the verifier's rejection sampling
-(executor/spec/rejection.py) keeps sampled requests' distribution exact.
+(executor/spec/rejection.py) keeps sampled requests' distribution exact; with a token map
+(executor/spec/vocab.py), the argmax over the map's tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from tokenmill.config import ModelConfig, SpeculativeConfig
+from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, ModelConfig, SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
@@ -39,6 +40,7 @@ from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts, measure_step_cost
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
+from tokenmill.executor.spec.vocab import DraftVocab, load_token_map
 
 if TYPE_CHECKING:
     from tokenmill.executor.model_runner import ModelRunner
@@ -49,6 +51,7 @@ logger = logging.getLogger("tokenmill")
 EXPLORE_EVIDENCE = 32  # verified drafts (accepted ones and rejecting steps) before drafts are chosen
 MAX_REST = 16  # steps without drafts, without asking (see DraftModel._choose)
 CATCH_UP_ROWS = 32  # a forward of at least this many catch-up rows times a catch-up token
+BUILT_IN_TOKEN_MAP = "token_map.json"  # beside each built-in drafter: its default token map
 
 
 class DraftModel(Proposer, CacheOwner):
@@ -69,6 +72,12 @@ class DraftModel(Proposer, CacheOwner):
             self.model = self.load(runner, path, model_config, kernels)
         except (ValueError, OSError) as e:
             raise ValueError(f"speculative_config.model: {path} does not load: {e}") from e
+        self.vocab: DraftVocab | None = None  # the LM head cut to a token map, if any
+        if (token_map := self._token_map(config, path)) is not None:
+            ids = load_token_map(token_map, model_config.vocab_size)
+            self.vocab = DraftVocab(self.model, ids, model_config.hidden_size, runner.dtype, runner.device)
+            logger.info("speculative decoding: the drafter's LM head computes %d of %d tokens (%s)", len(ids),
+                        model_config.vocab_size, token_map)
         self.backend_cls = select_attention_backend(runner.config.attention_backend, runner.device, runner.dtype,
                                                     model_config.head_dim, bs, runner.config.kv_cache_dtype)
         # scratch blocks for the drafts' own K/V: enough for k + 1 positions past any block
@@ -93,8 +102,26 @@ class DraftModel(Proposer, CacheOwner):
         self.forwards: list[int] = []  # the tokens of each decode-shaped draft forward of the last step
         self.draft_cost: StepCost | None = None
         if self.cost is not None:
-            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), robust=True, catch_up=True)
+            self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), robust=True, catch_up=True,
+                                                argmax=self._argmax)
             logger.info("adaptive speculation: draft forward time by tokens %s", self.draft_cost)
+
+    @staticmethod
+    def _token_map(config: SpeculativeConfig, path: Path) -> str | Path | None:
+        """The token map's file: the configured one; by default, a built-in drafter's own."""
+        if config.token_map is False:
+            return None
+        if config.token_map is None:
+            own = Path(path) / BUILT_IN_TOKEN_MAP
+            built_in = Path(path).resolve() in (DEFAULT_DRAFT_MODEL_DIR.resolve(), DEFAULT_EAGLE_MODEL_DIR.resolve())
+            return own if built_in and own.exists() else None
+        return config.token_map
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafts for `hidden`'s rows: the argmax of the drafter's logits (over its token map)."""
+        if self.vocab is not None:
+            return self.vocab.argmax(self.sampler, hidden)
+        return self.sampler._argmax(self.model.compute_logits(hidden))
 
     @property
     def choosing(self) -> bool:
@@ -304,7 +331,7 @@ class DraftModel(Proposer, CacheOwner):
             hidden = hidden[put(np.asarray(logits_rows, dtype=np.int64))]
         self.staging.end()
         if len(logits_rows):
-            tokens = self.sampler.to_host(self.sampler._argmax(self.model.compute_logits(hidden)))[0].tolist()
+            tokens = self.sampler.to_host(self._argmax(hidden))[0].tolist()
         took = time.perf_counter() - start
         if decode:
             self.forward_seconds += took

@@ -1,0 +1,79 @@
+"""A drafter's vocabulary cut to the tokens that occur most (FR-Spec, Zhao et al. 2025; SGLang's
+`--speculative-token-map`): its LM head computes the logits of those tokens only.
+
+A draft is the drafter's argmax, and verification keeps a draft only where the target agrees,
+so the outputs are the target's whatever the drafter's vocabulary; a draft that would have
+been a rarer token is lost, and the rest cost less. On a small model the LM head is much of
+a draft forward: the built-in model's 8,192 x 256 head is a third of its weights, read again
+in each of the EAGLE head's forwards, and most of the built-in draft model's (2,048 of its
+tokens made its one-row forward 1.8x faster on a 2-core CPU, with the same acceptance).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmill.executor.layers.linear import Linear
+
+KEY = "speculative_config.token_map"
+# the hidden dimensions read per pass when the head's rows are recovered (see DraftVocab):
+# a [CHUNK, vocab] block of logits at a time
+CHUNK = 256
+
+
+def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
+    """The token ids in `path`, sorted and without repeats: a JSON list of ints, or a tensor
+    (or list) saved with torch.save (`.pt`, the format FR-Spec's and SGLang's token maps
+    use). Errors name speculative_config.token_map."""
+    path = Path(path)
+    try:
+        if path.suffix == ".json":
+            ids = json.loads(path.read_text())
+        else:
+            ids = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{KEY}: {str(path)!r} does not load: {e}") from e
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist() if ids.dim() == 1 and not ids.is_floating_point() else None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{KEY}: {str(path)!r} must hold a non-empty list of token ids (integers)")
+    ids = np.unique(np.asarray(ids, dtype=np.int64))
+    if ids[0] < 0 or ids[-1] >= vocab_size:
+        bad = int(ids[0] if ids[0] < 0 else ids[-1])
+        raise ValueError(f"{KEY}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return torch.from_numpy(ids)
+
+
+class DraftVocab:
+    """The drafter's LM head restricted to `ids`: the logits of those tokens, as the model's own
+    `compute_logits` gives them (its rows are recovered through it, so a tied, packed or
+    quantized head is read the same way), and the argmax mapped back to token ids."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.ids = ids.to(device)
+        with torch.inference_mode():
+            bias = model.compute_logits(torch.zeros(1, hidden_size, dtype=dtype, device=device))[0, self.ids]
+            rows = []
+            for start in range(0, hidden_size, CHUNK):  # logits of unit vectors: the head's columns
+                eye = torch.eye(hidden_size, dtype=dtype, device=device)[start:start + CHUNK]
+                rows.append(model.compute_logits(eye)[:, self.ids] - bias)
+            weight = torch.cat(rows).T.contiguous()
+        has_bias = bool(bias.any())
+        self.head = Linear(hidden_size, len(ids), bias=has_bias).to(device=device, dtype=dtype)
+        self.head.weight.data.copy_(weight)
+        if has_bias:
+            self.head.bias.data.copy_(bias)
+        self.head.pack()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def argmax(self, sampler, hidden: torch.Tensor) -> torch.Tensor:
+        """The likeliest token of the map for each row of `hidden` (the first on ties, as over
+        the whole vocabulary: the ids are sorted)."""
+        return self.ids[sampler._argmax(self.head(hidden))]
