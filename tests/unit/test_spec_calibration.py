@@ -184,3 +184,29 @@ def test_an_overhead_learnt_on_a_slow_machine_goes_once_plain_steps_are_fast_aga
     overhead = cost.overhead
     proposer.observe_step(step([[], []]), 1.0, accepted=1)  # a stall
     assert cost.overhead == pytest.approx(0.9 * overhead + 0.1 * (STALL * (0.010 + overhead) - 0.010), rel=0.01)
+
+
+def test_later_drafts_are_priced_at_the_proposers_continuation_where_it_is_higher():
+    """A draft after an accepted one is accepted at the larger of the request's rate and the
+    proposer's continuation: at 10 ms a step and 1 ms a draft, a request accepting 0.6 keeps 3
+    drafts alone (its 4th worth 0.6^4), all 4 when acceptance continues at 0.9; one accepting
+    0.95 is priced at its own rate either way."""
+    cost = StepCost([1, 1024], [0.010, 0.010 + 1023 * 0.001])
+    assert choose_num_drafts([0.6], [4], 1, cost) == [3]
+    assert choose_num_drafts([0.6], [4], 1, cost, later=0.9) == [4]
+    dear = StepCost([1, 1024], [0.010, 0.010 + 1023 * 0.005])  # 5 ms a draft: a first draft at 0.3 does not pay
+    assert choose_num_drafts([0.3], [4], 1, dear, later=0.9) == [0]
+    assert choose_num_drafts([0.95, 0.6], [4, 4], 2, cost, later=0.5) == choose_num_drafts([0.95, 0.6], [4, 4], 2,
+                                                                                           cost)
+
+
+def test_the_scheduler_counts_later_drafts_reached_and_accepted():
+    """A verification of 4 drafts that accepts 2 reached drafts 2 and 3 after accepted ones and
+    accepted draft 2; one that accepts all 4 reached and accepted 2, 3 and 4; one that rejects
+    the first reached none."""
+    llm = LLM(dtype="float32", kv_cache_memory="4MiB")
+    scheduler = llm.engine.scheduler
+    request, _ = llm.engine.make_request("def f():", SamplingParams(max_tokens=4))
+    for drafts, accepted in ((4, 2), (4, 4), (3, 0), (1, 1)):
+        scheduler._count_accepted(request, drafts, accepted)
+    assert (scheduler.num_later_reached, scheduler.num_later_accepted) == (2 + 3 + 0 + 0, 1 + 3 + 0 + 0)

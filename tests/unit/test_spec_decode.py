@@ -333,7 +333,7 @@ def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
     from tokenmill.executor.spec.draft import MAX_REST, DraftModel
 
     steep = StepCost([1, 1024], [0.001, 1.024])  # a draft costs a token's time: none pays at 0.3
-    drafter = SimpleNamespace(choosing=True, resting=0, rest_length=0, rest_batch=0, prior=0.3, cost=steep,
+    drafter = SimpleNamespace(choosing=True, resting=0, rest_length=0, rest_batch=0, prior=0.3, later=0.3, cost=steep,
                               draft_cost=None, measuring=False, calibration=None, exploring=False,
                               explore=lambda rates, limits, choose=None: None, chose=lambda ks: ks)
     drafter._rests = lambda candidates: DraftModel._rests(drafter, candidates)

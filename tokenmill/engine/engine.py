@@ -217,7 +217,8 @@ class Engine:
                                               if verdict == "stop" else RequestStatus.FINISHED_ERROR)
         if self.proposer is not None:  # the drafts that the next step verifies
             s = self.scheduler
-            self.proposer.propose(changed, s.num_running, s.num_accepted_tokens, s.num_spec_rejected_steps)
+            self.proposer.propose(changed, s.num_running, s.num_accepted_tokens, s.num_spec_rejected_steps,
+                                  (s.num_later_accepted, s.num_later_reached))
         self.total_steps += 1
         groups: dict[str, tuple[Tracked, list[Seq]]] = {}
         for request in changed:

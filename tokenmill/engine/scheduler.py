@@ -104,6 +104,10 @@ class Scheduler:
         self.num_accepted_per_position: list[int] = []
         self.num_spec_steps = 0  # request-steps that verified drafts
         self.num_spec_rejected_steps = 0  # of which rejected a draft
+        # drafts after a request's first whose draft before was accepted, and of them accepted
+        # (how often acceptance continues once it has begun: adaptive speculation's estimate)
+        self.num_later_reached = 0
+        self.num_later_accepted = 0
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -303,6 +307,8 @@ class Scheduler:
         self.num_spec_steps += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        self.num_later_reached += max(0, min(num_drafts, num_accepted + 1) - 1)
+        self.num_later_accepted += max(0, num_accepted - 1)
         per_position = self.num_accepted_per_position
         per_position.extend([0] * (num_drafts - len(per_position)))
         for j in range(num_accepted):

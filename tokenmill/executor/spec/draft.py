@@ -38,7 +38,8 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.loader import load_model
-from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts, measure_step_cost
+from tokenmill.executor.spec.adaptive import (Calibration, StepCost, acceptance, choose_num_drafts, continuation,
+                                              measure_step_cost)
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 from tokenmill.executor.spec.vocab import DraftVocab, load_token_map
 
@@ -89,6 +90,7 @@ class DraftModel(Proposer, CacheOwner):
         self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V is in the cache
         self.drafts: dict[str, list[int]] = {}  # made this step, for the next
         self.prior = 0.5  # acceptance over all requests so far: the start of each request's own
+        self.later = 0.5  # a later draft's acceptance after an accepted one, over all requests (`continuation`)
         self.evidence = 0  # accepted drafts and rejecting verifications so far, over all requests
         self.resting = 0  # steps left that get no drafts without asking
         self.rest_length = 0  # the last rest's steps (doubled each time drafts still do not pay)
@@ -152,7 +154,7 @@ class DraftModel(Proposer, CacheOwner):
 
         def choose(rates: list[float], calibration: Calibration | None = None) -> list[int]:
             return choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
-                                     remaining, first_rows, calibration)
+                                     remaining, first_rows, calibration, self.later)
 
         if (ks := self.explore(rates, limits, choose)) is not None:
             self.rest_length = self.resting = 0
@@ -342,8 +344,10 @@ class DraftModel(Proposer, CacheOwner):
         return tokens, hidden
 
     # -- after the scheduler took the step's tokens ----------------------------------
-    def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int) -> None:
+    def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int,
+                later: tuple[int, int] = (0, 0)) -> None:
         self.prior = acceptance(accepted, rejected, prior=0.5)
+        self.later = continuation(later, self.prior)
         self.evidence = accepted + rejected
         for request in requests:
             if request.is_finished:

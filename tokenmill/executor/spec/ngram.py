@@ -12,7 +12,7 @@ import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
-from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts
+from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts, continuation
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 
 
@@ -90,10 +90,13 @@ class NgramProposer(Proposer):
     def release(self, request_id: str) -> None:
         self.tokens.release(request_id)
 
-    def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int) -> None:
+    def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int,
+                later: tuple[int, int] = (0, 0)) -> None:
         """`num_running`: the requests the next step will run (a token each at least);
         `accepted` / `rejected`: the drafts accepted and the verification steps that
-        rejected one, over all requests so far (the prior for a request's own rate)."""
+        rejected one, over all requests so far (the prior for a request's own rate); `later`:
+        the drafts after a request's first, accepted and verified after an accepted one
+        (adaptive.continuation)."""
         cfg = self.config
         drafting, ks = [], []
         for request in requests:
@@ -112,12 +115,13 @@ class NgramProposer(Proposer):
         if self.cost is not None:
             prior = acceptance(accepted, rejected, prior=0.5)
             rates = [acceptance(r.spec_accepted, r.spec_rejected, prior) for r in drafting]
+            after = continuation(later, prior)
             limits = [len(d) for d in drafts]
             contexts = [r.num_tokens for r in drafting]
 
             def choose(rates: list[float], calibration: Calibration | None = None) -> list[int]:
                 return choose_num_drafts(rates, limits, num_running, self.cost, contexts=contexts,
-                                         calibration=calibration)
+                                         calibration=calibration, later=after)
 
             chosen = [0] * len(drafts) if self.measuring else self.explore(rates, limits, choose) or \
                 self.chose(choose(rates, self.calibration))
