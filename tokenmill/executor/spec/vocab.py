@@ -5,8 +5,8 @@ A draft is the drafter's argmax, and verification keeps a draft only where the t
 so the outputs are the target's whatever the drafter's vocabulary; a draft that would have
 been a rarer token is lost, and the rest cost less. On a small model the LM head is much of
 a draft forward: the built-in model's 8,192 x 256 head is a third of its weights, read again
-in each of the EAGLE head's forwards, and most of the built-in draft model's (2,048 of its
-tokens made its one-row forward 1.8x faster on a 2-core CPU, with the same acceptance).
+in each of the EAGLE head's forwards (with every draft verified, its 4,096-token map made
+EAGLE at one request 1.32x the throughput of no drafts against 1.22x, on a 2-core CPU).
 """
 
 from __future__ import annotations
