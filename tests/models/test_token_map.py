@@ -83,6 +83,7 @@ def test_a_map_is_read_sorted_and_without_repeats(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (None, "does not load"),
+    ("not a pickle", "does not load"),
     ("[]", "non-empty list of token ids"),
     ("[1, 2.5]", "non-empty list of token ids"),
     ("[1, true]", "non-empty list of token ids"),
@@ -91,7 +92,7 @@ def test_a_map_is_read_sorted_and_without_repeats(tmp_path):
     ("[-1, 3]", "token id -1 is outside the vocabulary [0, 8192)"),
 ])
 def test_a_bad_map_names_the_key_before_the_engine_starts(content, message, tmp_path):
-    path = tmp_path / "map.json"
+    path = tmp_path / ("map.pt" if content == "not a pickle" else "map.json")
     if content is not None:
         path.write_text(content)
     with pytest.raises(ValueError) as e:

@@ -12,6 +12,7 @@ EAGLE at one request 1.32x the throughput of no drafts against 1.22x, on a 2-cor
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
             ids = json.loads(path.read_text())
         else:
             ids = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise ValueError(f"{KEY}: {str(path)!r} does not load: {e}") from e
     if isinstance(ids, torch.Tensor):
         ids = ids.tolist() if ids.dim() == 1 and not ids.is_floating_point() else None
