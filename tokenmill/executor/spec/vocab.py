@@ -61,8 +61,10 @@ class DraftVocab:
             bias = model.compute_logits(torch.zeros(1, hidden_size, dtype=dtype, device=device))[0, self.ids]
             rows = []
             for start in range(0, hidden_size, CHUNK):  # logits of unit vectors: the head's columns
-                eye = torch.eye(hidden_size, dtype=dtype, device=device)[start:start + CHUNK]
-                rows.append(model.compute_logits(eye)[:, self.ids] - bias)
+                n = min(CHUNK, hidden_size - start)
+                units = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+                units[torch.arange(n), torch.arange(start, start + n)] = 1
+                rows.append(model.compute_logits(units)[:, self.ids] - bias)
             weight = torch.cat(rows).T.contiguous()
         has_bias = bool(bias.any())
         self.head = Linear(hidden_size, len(ids), bias=has_bias).to(device=device, dtype=dtype)
