@@ -1,22 +1,29 @@
 """Which float32 linear layers to pack for oneDNN: packed (`mkldnn._linear_pointwise`) against
-plain (`F.linear`, MKL's GEMM) at the shapes of the built-in model, its draft and the 56M
-benchmark model, for decode-sized row counts:
+plain (`F.linear`, MKL's GEMM) and the CPU kernels' `small_linear` (up to SMALL_ROWS rows) at
+the shapes of the built-in model, its draft and the 56M benchmark model, for decode-sized
+row counts:
 
-    python benchmarks/linear_layout.py [--threads 2] [--rows 1,4,16,64,256]
+    python benchmarks/linear_layout.py [--threads 2] [--rows 1,2,4,8,16,64,256]
 
 Prints microseconds per call (best of 5 runs) and marks the layers that `Linear.pack` keeps
-plain as well as packed, for steps of up to PLAIN_ROWS rows (fewer than SMALL_FLOAT32_WEIGHT
-elements). A layer alone keeps its weights in cache;
-in a model they are read from memory each forward, so the script then times whole forwards
-(1, 2, 5 and 8 tokens over a 450-token context, logits and argmax) of the built-in model
-and its draft in float32, every layer packed against small ones plain up to PLAIN_ROWS
-rows (what `Linear` does), taking turns, with
-the other model's forward in between as in a speculative step.
+plain as well as packed (fewer than SMALL_FLOAT32_WEIGHT elements), which run steps of up
+to SMALL_ROWS rows through `small_linear`. A layer alone keeps its weights in cache; in a
+model they are read from memory each forward, so the script then times whole forwards (1,
+2, 5 and 8 tokens over a 450-token context, logits and argmax) of the built-in model and
+its draft in float32, taking turns, with the other model's forward in between as in a
+speculative step: every layer packed; small ones plain through MKL up to PLAIN_ROWS rows
+(what `Linear` does without the CPU kernels); and through `small_linear` (what it does).
+
+`--engine 1,4,16` then runs the built-in model's engine at those concurrencies with and
+without `small_linear` (two engines in one process taking turns, benchmarks/speculative.py's
+completion prompts, greedy, 128 tokens each) and prints the output tokens/s and TPOT ratios,
+the median of `--engine-rounds` rounds, and whether the outputs were identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -24,7 +31,8 @@ import torch
 from torch.nn import functional as F
 
 import tokenmill.executor.layers.linear as linear
-from tokenmill.executor.layers.linear import PLAIN_ROWS, SMALL_FLOAT32_WEIGHT
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
+from tokenmill.executor.layers.linear import PLAIN_ROWS, SMALL_FLOAT32_WEIGHT, SMALL_ROWS
 
 # (out, in): built-in target, its draft, the 56M model of cpu_throughput.py
 SHAPES = {"target": [(512, 256), (256, 256), (1408, 256), (256, 704), (8192, 256)],
@@ -47,12 +55,18 @@ def best_us(fn, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 256])
+    parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=200, help="whole forwards per layout and size")
+    parser.add_argument("--engine", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                        help="concurrencies of the engine A/B with and without small_linear (default: none)")
+    parser.add_argument("--engine-rounds", type=int, default=4)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{torch.get_num_threads()} threads; us per call, packed / plain\n")
+    kernels = load_cpu_kernels()
+    small = kernels.small_linear if kernels is not None and kernels.has_small_linear else None
+    print(f"{torch.get_num_threads()} threads; us per call, packed / plain" + (" / small_linear" if small else "")
+          + "\n")
     print("| model | out x in | kept | " + " | ".join(f"{m} rows" for m in args.rows) + " |")
     print("|---|---|---|" + "---|" * len(args.rows))
     for model, shapes in SHAPES.items():
@@ -65,10 +79,13 @@ def main() -> None:
                 calls = max(20, 4000 // m)
                 a = best_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), calls)
                 b = best_us(lambda: F.linear(x, w), calls)
-                cells.append(f"{a:.0f} / {b:.0f}")
-            kept = f"plain up to {PLAIN_ROWS} rows" if w.numel() < SMALL_FLOAT32_WEIGHT else "packed"
+                c = f" / {best_us(lambda: small(x, w), calls):.0f}" if small is not None and m <= SMALL_ROWS else ""
+                cells.append(f"{a:.0f} / {b:.0f}{c}")
+            kept = f"plain too, up to {SMALL_ROWS} rows" if w.numel() < SMALL_FLOAT32_WEIGHT else "packed"
             print(f"| {model} | {out_features} x {in_features} | {kept} | " + " | ".join(cells) + " |", flush=True)
-    whole_forwards(args.repeats)
+    whole_forwards(args.repeats, small is not None)
+    if args.engine and small is not None:
+        engine_ab(args.engine, args.engine_rounds)
 
 
 def forward_fn(llm, num_tokens: int):
@@ -93,24 +110,32 @@ def forward_fn(llm, num_tokens: int):
 
 
 @torch.inference_mode()
-def whole_forwards(repeats: int) -> None:
+def whole_forwards(repeats: int, small: bool) -> None:
     from tokenmill import LLM
     from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_MODEL_DIR
 
     llms = {}
-    for layout, threshold in (("packed", 0), ("small plain", SMALL_FLOAT32_WEIGHT)):
-        linear.SMALL_FLOAT32_WEIGHT = threshold  # read by Linear.pack when each model loads
+    layouts = ["packed", "mkl"] + (["small_linear"] if small else [])
+    for layout in layouts:
+        # read by Linear.pack when each model loads
+        linear.SMALL_FLOAT32_WEIGHT = 0 if layout == "packed" else SMALL_FLOAT32_WEIGHT
         for model, path in (("target", DEFAULT_MODEL_DIR), ("draft", DEFAULT_DRAFT_MODEL_DIR)):
-            llms[model, layout] = LLM(str(path), dtype="float32", max_num_seqs=1, kv_cache_memory="64MiB")
+            llm = LLM(str(path), dtype="float32", max_num_seqs=1, kv_cache_memory="64MiB")
+            if layout == "mkl":  # Linear without the kernel: MKL's GEMM up to PLAIN_ROWS rows
+                for module in llm.engine.runner.model.modules():
+                    if isinstance(module, linear.Linear):
+                        module.small_kernel = None
+            llms[model, layout] = llm
     linear.SMALL_FLOAT32_WEIGHT = SMALL_FLOAT32_WEIGHT
-    print(f"\nwhole forwards, ms (median of {repeats}), every layer packed / small ones plain up to "
-          f"{PLAIN_ROWS} rows\n")
+    print(f"\nwhole forwards, ms (median of {repeats}): every layer packed / small ones plain through MKL up to "
+          f"{PLAIN_ROWS} rows" + (f" / small ones through small_linear up to {SMALL_ROWS} rows" if small else "")
+          + "\n")
     print("| model | 1 token | 2 tokens | 5 tokens | 8 tokens |\n|---|---|---|---|---|")
     for model in ("target", "draft"):
         other = "draft" if model == "target" else "target"
         cells = []
         for n in (1, 2, 5, 8):
-            runs = {layout: forward_fn(llms[model, layout], n) for layout in ("packed", "small plain")}
+            runs = {layout: forward_fn(llms[model, layout], n) for layout in layouts}
             evict = forward_fn(llms[other, "packed"], 1)
             times = {layout: [] for layout in runs}
             for _ in range(repeats):
@@ -121,6 +146,36 @@ def whole_forwards(repeats: int) -> None:
                     times[layout].append(time.perf_counter() - start)
             cells.append(" / ".join(f"{1e3 * np.median(t):.2f}" for t in times.values()))
         print(f"| {model} | " + " | ".join(cells) + " |", flush=True)
+
+
+def engine_ab(concurrencies: list[int], rounds: int) -> None:
+    """The engine with `small_linear` against itself without it (MKL up to PLAIN_ROWS rows)."""
+    from speculative import function_prompts, run, run_turns, split_files
+
+    from tokenmill import LLM
+    _, val_files = split_files()
+    prompts = [prompt for prompt, _ in function_prompts(val_files, 2 * max(max(concurrencies), 4))]
+    print("\nthe engine, output tokens/s and TPOT: small_linear against MKL (median of rounds)\n")
+    print("| concurrency | tok/s, MKL | tok/s, small_linear | ratio | TPOT ratio | identical outputs |\n|---|---|---|---|---|---|")
+    for c in concurrencies:
+        batch = prompts[:max(2 * c, 8)]
+        llms = {"mkl": LLM(None, dtype="auto", max_num_seqs=c), "small_linear": LLM(None, dtype="auto", max_num_seqs=c)}
+        for module in llms["mkl"].engine.runner.model.modules():
+            if isinstance(module, linear.Linear):
+                module.small_kernel = None
+        for llm in llms.values():
+            run(llm, batch[:2])  # warm-up
+        results = []
+        for r in range(rounds):
+            order = list(llms)[r % 2:] + list(llms)[:r % 2]
+            results.append(run_turns({name: llms[name] for name in order}, batch, 0.5))
+        tps = {name: statistics.median(x[name]["output_throughput"] for x in results) for name in llms}
+        ratio = statistics.median(x["small_linear"]["output_throughput"] / x["mkl"]["output_throughput"]
+                                  for x in results)
+        tpot = statistics.median(x["mkl"]["tpot_ms"] / x["small_linear"]["tpot_ms"] for x in results)
+        same = all(x["mkl"]["token_ids"] == x["small_linear"]["token_ids"] for x in results)
+        print(f"| {c} | {tps['mkl']:.0f} | {tps['small_linear']:.0f} | {ratio:.2f}x | {tpot:.2f}x | {same} |",
+              flush=True)
 
 
 if __name__ == "__main__":

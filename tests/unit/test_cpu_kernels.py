@@ -76,3 +76,67 @@ def test_argmax_rows_first_index_on_ties(kernels, dtype):
     assert torch.equal(ids, logits.float().argmax(dim=-1))
     assert ids[:4].tolist() == [5, 1006, 3, 0]
     assert torch.equal(kernels.argmax_rows(logits[:, :500]), logits[:, :500].float().argmax(dim=-1))  # strided rows
+
+
+@pytest.fixture(scope="module")
+def small_linear(kernels):
+    if not kernels.has_small_linear:
+        pytest.skip("small_linear needs AVX2 and FMA")
+    return kernels.small_linear
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (37, 70), (130, 8), (5, 3)])
+def test_small_linear_against_float64(small_linear, rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows)
+    # every other row of a wider tensor: rows with a stride, an input not a multiple of 8
+    x = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    ref = x.double() @ w.double().T
+    assert torch.allclose(small_linear(x, w).double(), ref, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(small_linear(x, w, b).double(), ref + b.double(), atol=1e-4, rtol=1e-5)
+
+
+def test_small_linear_rows_do_not_depend_on_each_other(small_linear):
+    """A row's output is the same, bit for bit, whatever rows are computed with it: a
+    verified draft's row equals the decode that would have made it."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 700, generator=g)
+    w = torch.randn(1408, 700, generator=g)
+    alone = torch.cat([small_linear(x[i:i + 1], w) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(small_linear(x[:rows], w), alone[:rows])
+
+
+def test_small_linear_refuses_what_it_does_not_run(small_linear):
+    w = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        small_linear(torch.randn(9, 32), w)
+    with pytest.raises(RuntimeError, match="float32"):
+        small_linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16())
+    with pytest.raises(RuntimeError, match="x \\[rows, in\\]"):
+        small_linear(torch.randn(2, 31), w)
+
+
+def test_linear_runs_small_steps_through_small_linear(small_linear):
+    """A packed float32 layer keeps its plain weight for steps of up to SMALL_ROWS rows and
+    runs them through the kernel; larger steps take the packed weight. Both give the
+    layer's product."""
+    from tokenmill.executor.layers.linear import SMALL_ROWS, Linear
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: layers stay plain")
+    g = torch.Generator().manual_seed(3)
+    layer = Linear(64, {"a": 48, "b": 80}, bias=True)
+    w, b = torch.randn(128, 64, generator=g), torch.randn(128, generator=g)
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    layer.pack()
+    assert layer.small_kernel is small_linear
+    calls = []
+    layer.small_kernel = lambda *args: calls.append(len(args[0])) or small_linear(*args)
+    with torch.inference_mode():
+        for rows in (1, SMALL_ROWS, SMALL_ROWS + 1, 40):
+            x = torch.randn(rows, 64, generator=g)
+            assert torch.allclose(layer(x).double(), x.double() @ w.double().T + b.double(), atol=1e-4)
+    assert calls == [1, SMALL_ROWS]

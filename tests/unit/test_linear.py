@@ -1,5 +1,7 @@
 """Linear layers on the CPU: oneDNN's packed layout, and for small float32 weights their plain
-copy at steps of up to PLAIN_ROWS rows; both give F.linear's result."""
+copy at steps of up to SMALL_ROWS rows (through the CPU kernels' small_linear, or MKL's GEMM
+up to PLAIN_ROWS rows without them: tests/unit/test_cpu_kernels.py); all give F.linear's
+result."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def test_small_float32_layers_keep_a_plain_copy_for_few_rows(rows, bias):
     layer, weight = packed_layer(256, 128, bias)
     assert layer.packed is not None and layer.small is not None and layer.weight.numel() == 0
     x = torch.randn(rows, 128)
+    assert torch.allclose(layer(x), F.linear(x, weight, layer.bias), atol=1e-5, rtol=1e-5)
+    layer.small_kernel = None  # as without the CPU kernels
     assert torch.allclose(layer(x), F.linear(x, weight, layer.bias), atol=1e-5, rtol=1e-5)
     if rows <= PLAIN_ROWS:  # the plain copy's path: exactly F.linear
         assert torch.equal(layer(x), F.linear(x, weight, layer.bias))

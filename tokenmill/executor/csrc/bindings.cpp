@@ -13,6 +13,8 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 void rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
+bool has_small_linear();
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 void bind_int8_linear(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,5 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "index of the largest value of each row (first on ties)");
+  m.attr("has_small_linear") = has_small_linear();
+  m.def("small_linear", &small_linear, "x W^T (+ b), float32, for 1 to 8 rows of x (AVX2 + FMA)", py::arg("x"),
+        py::arg("weight"), py::arg("bias") = py::none());
   bind_int8_linear(m);  // where torch has fbgemm (x86-64)
 }

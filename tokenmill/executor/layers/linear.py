@@ -14,13 +14,19 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.executor.cpu_kernels import load_cpu_kernels
+
 if TYPE_CHECKING:
     from tokenmill.executor.distributed.parallel import ColumnShard, RowShard
 
-# float32 weights with fewer elements than this also keep their plain copy, which MKL's GEMM
-# runs faster than oneDNN's packed layout up to PLAIN_ROWS rows (measured on an AVX2 CPU by
-# benchmarks/linear_layout.py; 16-bit weights were not measured this way and only pack)
-SMALL_FLOAT32_WEIGHT = 1 << 18
+# float32 weights with fewer elements than this (8 MB) also keep their plain copy, for steps
+# of at most SMALL_ROWS rows (decodes of a small batch, speculative verification): the CPU
+# kernels' small_linear reads each weight row once for all of them (AVX2; 1.6-3x faster
+# than the better of MKL's GEMM and oneDNN's packed call at the built-in model's shapes, by
+# benchmarks/linear_layout.py). Without those kernels MKL's GEMM runs the plain copy up to
+# PLAIN_ROWS rows, where it beats oneDNN's packed layout
+SMALL_FLOAT32_WEIGHT = 1 << 21
+SMALL_ROWS = 8
 PLAIN_ROWS = 4
 
 
@@ -45,6 +51,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
         self.packed: torch.Tensor | None = None
         self.small: torch.Tensor | None = None  # the plain weight kept beside the packed one
+        self.small_kernel = None  # the CPU kernels' small_linear, for it
         self.quant_method = quant_method
         if quant_method is not None:
             quant_method.create_weights(self)
@@ -53,8 +60,11 @@ class Linear(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         if self.packed is not None:
-            if self.small is not None and x.shape[0] <= PLAIN_ROWS:
-                return F.linear(x, self.small, self.bias)
+            if self.small is not None and x.shape[0] <= SMALL_ROWS:
+                if self.small_kernel is not None and x.dim() == 2:
+                    return self.small_kernel(x, self.small, self.bias)
+                if x.shape[0] <= PLAIN_ROWS:
+                    return F.linear(x, self.small, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -63,10 +73,11 @@ class Linear(nn.Module):
         weights are 15-40% faster on small batches; float32 ones 1.3-1.5x faster end to
         end than MKL's GEMM on an AVX2 AMD CPU (the 56M model, 1 and 64 requests), up to
         2.8x at the LM head's shape. Small float32 weights keep their plain copy too, for
-        steps of at most PLAIN_ROWS rows: oneDNN's call costs about 30 us more there, which
-        at one row makes a forward of the built-in model 11% slower and of its draft 26%
-        (`benchmarks/linear_layout.py`). Otherwise the plain copy is dropped once packed.
-        A quantized layer packs as its method says."""
+        steps of at most SMALL_ROWS rows (see SMALL_FLOAT32_WEIGHT): oneDNN's call costs
+        about 30 us more there, which at one row made a forward of the built-in model 11%
+        slower and of its draft 26% than MKL's GEMM (`benchmarks/linear_layout.py`).
+        Otherwise the plain copy is dropped once packed. A quantized layer packs as its
+        method says."""
         if self.quant_method is not None:
             self.quant_method.process_weights_after_loading(self)
             return
@@ -79,6 +90,9 @@ class Linear(nn.Module):
                 return
             if w.dtype == torch.float32 and w.numel() < SMALL_FLOAT32_WEIGHT:
                 self.small = w.detach()
+                kernels = load_cpu_kernels()
+                if kernels is not None and kernels.has_small_linear:
+                    self.small_kernel = kernels.small_linear
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
