@@ -89,6 +89,15 @@ def test_adaptive_speculation_keeps_the_output_and_counts_its_choices(engines, a
     assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_the_step_cost_is_timed_where_the_linear_layers_change_paths(adaptive):
+    """Past SMALL_ROWS rows the linear layers leave small_linear for the packed weights: the
+    start-up timing has a point on each side, so a step of 9 tokens is priced as timed."""
+    from tokenmill.executor.layers.linear import SMALL_ROWS
+    cost = adaptive.engine.runner.step_cost
+    assert {SMALL_ROWS, SMALL_ROWS + 1, 2 * SMALL_ROWS} <= set(cost.tokens.tolist())
+    assert cost.forward(SMALL_ROWS + 1) == pytest.approx(cost.seconds[cost.tokens.tolist().index(SMALL_ROWS + 1)])
+
+
 def test_mixed_batch_each_request_gets_what_it_would_alone(engines):
     """Greedy requests speculate; the penalised one is served without speculation (and
     counted); the greedy ones and the penalised one equal the engine without drafts, the
