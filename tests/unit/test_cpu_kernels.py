@@ -139,4 +139,5 @@ def test_linear_runs_small_steps_through_small_linear(small_linear):
         for rows in (1, SMALL_ROWS, SMALL_ROWS + 1, 40):
             x = torch.randn(rows, 64, generator=g)
             assert torch.allclose(layer(x).double(), x.double() @ w.double().T + b.double(), atol=1e-4)
+        assert layer(torch.randn(0, 64)).shape == (0, 128)  # no rows: not the kernel's (it refuses them)
     assert calls == [1, SMALL_ROWS]

@@ -61,7 +61,7 @@ class Linear(nn.Module):
             return self.quant_method.apply(self, x)
         if self.packed is not None:
             if self.small is not None and x.shape[0] <= SMALL_ROWS:
-                if self.small_kernel is not None and x.dim() == 2:
+                if self.small_kernel is not None and x.dim() == 2 and x.shape[0] > 0:
                     return self.small_kernel(x, self.small, self.bias)
                 if x.shape[0] <= PLAIN_ROWS:
                     return F.linear(x, self.small, self.bias)

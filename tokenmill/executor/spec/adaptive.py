@@ -192,8 +192,8 @@ TIMING_ROUNDS = 3  # rounds over the token counts when timing the forwards at st
 def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512,
                       robust: bool = False, catch_up: bool = False, argmax=None) -> StepCost:
     """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
-    n = 1, 2, 4, ... up to max_tokens and at SMALL_ROWS + 1, the fastest of `repeats` and of TIMING_ROUNDS - 1
-    later rounds over all the counts in turn; then 16 of them again over
+    n = 1, 2, 4, ... up to max_tokens and at SMALL_ROWS + 1, the fastest of `repeats` and of
+    TIMING_ROUNDS - 1 later rounds over all the counts in turn; then 16 of them again over
     `context` tokens each: what attention adds per context token. `catch_up` (a drafter):
     also one sequence of up to 256 tokens with logits at its last, as a drafter catches up
     with a request's tokens: its seconds per token. `argmax`: the ids from the hidden states
@@ -208,8 +208,7 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     if SMALL_ROWS + 1 <= min(max_tokens, num_blocks):
         # past SMALL_ROWS rows the linear layers leave small_linear for the packed weights
         # (layers/linear.py), and the step's time jumps: timed on both sides, a verification
-        # of 9-15 tokens is not priced on the line from 8 to 16 (which made EAGLE's drafts at
-        # 4 requests look cheaper than they were)
+        # of 9-15 tokens is not priced on the line from 8 to 16, below what it costs
         counts = sorted({*counts, SMALL_ROWS + 1})
     wide = min(16, counts[-1])
     context = max(2, min(context, runner.max_model_len - 1, num_blocks // wide * bs))
