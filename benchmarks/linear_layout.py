@@ -109,6 +109,14 @@ def forward_fn(llm, num_tokens: int):
     return run
 
 
+def without_small_linear(llm):
+    """`llm` as `Linear` runs without the CPU kernels: MKL's GEMM up to PLAIN_ROWS rows."""
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, linear.Linear):
+            module.small_kernel = None
+    return llm
+
+
 @torch.inference_mode()
 def whole_forwards(repeats: int, small: bool) -> None:
     from tokenmill import LLM
@@ -121,11 +129,7 @@ def whole_forwards(repeats: int, small: bool) -> None:
         linear.SMALL_FLOAT32_WEIGHT = 0 if layout == "packed" else SMALL_FLOAT32_WEIGHT
         for model, path in (("target", DEFAULT_MODEL_DIR), ("draft", DEFAULT_DRAFT_MODEL_DIR)):
             llm = LLM(str(path), dtype="float32", max_num_seqs=1, kv_cache_memory="64MiB")
-            if layout == "mkl":  # Linear without the kernel: MKL's GEMM up to PLAIN_ROWS rows
-                for module in llm.engine.runner.model.modules():
-                    if isinstance(module, linear.Linear):
-                        module.small_kernel = None
-            llms[model, layout] = llm
+            llms[model, layout] = without_small_linear(llm) if layout == "mkl" else llm
     linear.SMALL_FLOAT32_WEIGHT = SMALL_FLOAT32_WEIGHT
     print(f"\nwhole forwards, ms (median of {repeats}): every layer packed / small ones plain through MKL up to "
           f"{PLAIN_ROWS} rows" + (f" / small ones through small_linear up to {SMALL_ROWS} rows" if small else "")
@@ -159,10 +163,8 @@ def engine_ab(concurrencies: list[int], rounds: int) -> None:
     print("| concurrency | tok/s, MKL | tok/s, small_linear | ratio | TPOT ratio | identical outputs |\n|---|---|---|---|---|---|")
     for c in concurrencies:
         batch = prompts[:max(2 * c, 8)]
-        llms = {"mkl": LLM(None, dtype="auto", max_num_seqs=c), "small_linear": LLM(None, dtype="auto", max_num_seqs=c)}
-        for module in llms["mkl"].engine.runner.model.modules():
-            if isinstance(module, linear.Linear):
-                module.small_kernel = None
+        llms = {"mkl": without_small_linear(LLM(None, dtype="auto", max_num_seqs=c)),
+                "small_linear": LLM(None, dtype="auto", max_num_seqs=c)}
         for llm in llms.values():
             run(llm, batch[:2])  # warm-up
         results = []
