@@ -121,7 +121,7 @@ def test_exploring_only_where_drafts_accepted_at_the_optimistic_rate_would_be_ch
     # exploring; 64 requests over 512 tokens of context each, where a draft's attention
     # costs what a token is worth, are not
     cost = StepCost([1, 64, 128, 512], [0.005, 0.010, 0.016, 0.050])
-    cost.attention = 1e-6
+    cost.query_attention = 1e-6
     for n, context, explores in ((1, 100, True), (64, 512, False)):
         def choose(rates):
             return choose_num_drafts(rates, [4] * n, n, cost, contexts=[context] * n)

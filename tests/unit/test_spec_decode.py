@@ -261,6 +261,19 @@ def test_drafts_are_chosen_while_they_pay_for_their_time():
     assert min(bend[:8]) > max(bend[8:])
 
 
+def test_a_draft_pays_for_one_more_query_of_its_request_not_for_a_decoding_sequences_attention():
+    """A verified draft is one more query of a sequence whose keys and values the attention
+    reads for its first query anyway: its attention is priced at `query_attention` a context
+    token, not at `attention` (a decoding sequence's, several times dearer on the CPU)."""
+    cost = StepCost([1, 1024], [0.010, 0.0101])
+    cost.attention = 1e-5  # 10 ms over 1000 tokens of context: no draft would pay at this price
+    assert choose_num_drafts([0.8] * 4, [4] * 4, 4, cost, contexts=[1000] * 4) == [4] * 4
+    cost.query_attention = 1e-5
+    assert choose_num_drafts([0.8] * 4, [4] * 4, 4, cost, contexts=[1000] * 4) == [0] * 4
+    cost.query_attention = 1e-7  # 0.1 ms a draft: the likely ones pay, the unlikely do not
+    assert choose_num_drafts([0.9, 0.005], [4, 4], 2, cost, contexts=[1000] * 2) == [4, 0]
+
+
 def test_a_drafters_catch_up_is_paid_by_the_requests_first_draft():
     """A request the drafter is behind on (its prompt, steps it did not draft in) first costs
     a forward over those tokens: in a small batch that pays back, in a larger one only the

@@ -144,7 +144,8 @@ class ModelRunner(CacheOwner):
         self.attn = self.make_backend(self.kv_cache)
         self.step_cost: StepCost | None = None
         if spec is not None and spec.adaptive:  # what a step costs by its tokens, for choosing drafts
-            self.step_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024))
+            self.step_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024),
+                                               verify=1 + spec.num_speculative_tokens)
             logger.info("adaptive speculation: step time by tokens %s", self.step_cost)
         self.drafter = DRAFTERS[spec.method](self, spec, *draft, self.num_blocks, max_num_batched_tokens,
                                              layer_kernels) \

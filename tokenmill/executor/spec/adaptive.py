@@ -49,7 +49,8 @@ class StepCost:
         self.seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64))
         self.overhead = 0.0
         self.robust = robust
-        self.attention = 0.0  # seconds a query token adds per token of context it attends to
+        self.attention = 0.0  # seconds a decoding sequence's query adds per token of context it attends to
+        self.query_attention = 0.0  # what one more query of that sequence adds (a verified draft's)
         self.catch_up = 0.0  # a drafter's seconds per token it computes to catch up (prompt-shaped)
         self.fixed = 0.0  # what a step that drafts adds besides the drafter's forwards (learnt)
         # past the last measured point, its last slope: one more point far out (interpolation
@@ -109,6 +110,7 @@ class StepCost:
     def __repr__(self) -> str:
         return ", ".join(f"{int(n)}: {1e3 * s:.2f} ms" for n, s in zip(self.tokens, self.seconds)) + \
             f"; attention {1e9 * self.attention:.1f} ns per context token" + \
+            (f" ({1e9 * self.query_attention:.1f} ns a draft)" if self.query_attention else "") + \
             (f"; catching up {1e6 * self.catch_up:.1f} us per token" if self.catch_up else "") + \
             (f"; {1e3 * self.fixed:.2f} ms a drafting step besides forwards" if self.fixed else "")
 
@@ -190,11 +192,13 @@ TIMING_ROUNDS = 3  # rounds over the token counts when timing the forwards at st
 
 @torch.inference_mode()
 def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512,
-                      robust: bool = False, catch_up: bool = False, argmax=None) -> StepCost:
+                      robust: bool = False, catch_up: bool = False, argmax=None, verify: int = 1) -> StepCost:
     """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
     n = 1, 2, 4, ... up to max_tokens and at SMALL_ROWS + 1, the fastest of `repeats` and of
     TIMING_ROUNDS - 1 later rounds over all the counts in turn; then 16 of them again over
-    `context` tokens each: what attention adds per context token. `catch_up` (a drafter):
+    `context` tokens each: what attention adds per context token; with `verify` > 1 (the
+    target of up to verify - 1 drafts a request), also what a sequence's query beyond its first
+    adds (verifying `verify` tokens at once). `catch_up` (a drafter):
     also one sequence of up to 256 tokens with logits at its last, as a drafter catches up
     with a request's tokens: its seconds per token. `argmax`: the ids from the hidden states
     (default: the argmax of the model's logits). They run over the runner's own cache
@@ -258,6 +262,15 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     # other (timed far apart, a moment's load on the machine made it 0.5x-1.5x)
     extra = [forward(wide, context, repeats=1) - forward(wide, 1, repeats=1) for _ in range(5)]
     cost.attention = max(0.0, float(np.median(extra)) / (wide * (context - 1)))
+    q = min(verify, context - 1, max(1, max_tokens // wide))
+    if q > 1:
+        # a sequence's queries share one read of its keys and values: on a 2-core CPU the
+        # built-in model's 4 sequences over 512 tokens spent 0.68 us a context token decoding
+        # one token each and 1.24 us verifying 5, so a draft added 0.14 us, not 0.68. Each of
+        # 5 samples is the context's cost with q queries less its cost with one, timed together
+        more = [(forward(wide, context, q, repeats=1) - forward(wide, q, q, repeats=1))
+                - (forward(wide, context, repeats=1) - forward(wide, 1, repeats=1)) for _ in range(5)]
+        cost.query_attention = max(0.0, float(np.median(more)) / (wide * (q - 1) * (context - q)))
     if catch_up:
         rows = max(1, min(256, max_tokens, context))
         cost.catch_up = forward(1, rows, rows) / rows
@@ -305,7 +318,8 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     `draft`: the draft model's forward cost; its j-th forward makes every j-th draft, so
     the drafts kept add those forwards' time too, and a step with any draft draft.fixed
     (the drafting's host work besides its forwards). `contexts`: each request's tokens, which
-    each of its drafts attends to in the target's forward (and the draft's). `behind`: the
+    each of its drafts attends to in the target's forward (one more query of the request's,
+    cost.query_attention a token) and the draft's. `behind`: the
     tokens the draft has to catch up with before drafting for each request; their cost
     (draft.catch_up each, over CATCH_UP_STEPS) goes with the request's first draft, which
     ranks lower by what that time is worth in tokens (and its later drafts no higher).
@@ -347,7 +361,7 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     seconds = cost.forward(num_tokens + np.arange(total + 1)) + cost.overhead
     seconds = seconds + np.concatenate(([0.0], np.cumsum(catch[order])))
     if contexts is not None:
-        per_token = cost.attention + (draft.attention if draft is not None else 0.0)
+        per_token = cost.query_attention + (draft.attention if draft is not None else 0.0)
         attention = per_token * np.asarray(contexts, dtype=np.float64)[owner[order]]
         seconds = seconds + np.concatenate(([0.0], np.cumsum(attention)))
     if draft is not None:  # rows of the draft's j-th forward among the first m drafts kept
