@@ -261,6 +261,21 @@ def test_drafts_are_chosen_while_they_pay_for_their_time():
     assert min(bend[:8]) > max(bend[8:])
 
 
+def test_one_draft_for_each_request_beats_one_requests_deep_drafts_where_each_depth_costs_a_forward():
+    """A draft model's j-th forward costs the same for one row as for four: the likeliest
+    request's 4 drafts (0.95, then 0.90, 0.86, 0.81) rank above the others' first (0.8), but
+    they cost 4 forwards where one first draft each costs one, and the target's step stays
+    under its jump at 9 tokens either way. Without a draft model the target's tokens are the
+    only cost, and the likeliest drafts go first."""
+    target = StepCost([1, 8, 9, 1024], [0.010, 0.010, 0.020, 0.0201])
+    draft = StepCost([1, 1024], [0.001, 0.001])
+    assert choose_num_drafts([0.95, 0.8, 0.8, 0.8], [4] * 4, 4, target, draft) == [1, 1, 1, 1]
+    assert choose_num_drafts([0.95, 0.8, 0.8, 0.8], [4] * 4, 4, target) == [4, 0, 0, 0]
+    # two requests, 8 tokens: 3 drafts each (3 forwards) over 4 and 2 (4 forwards)
+    assert choose_num_drafts([0.95, 0.8], [4, 4], 2, target, draft) == [3, 3]
+    assert choose_num_drafts([0.9, 0.9], [1, 3], 2, target, draft) == [1, 3]  # caps past a request's limit
+
+
 def test_a_draft_pays_for_one_more_query_of_its_request_not_for_a_decoding_sequences_attention():
     """A verified draft is one more query of a sequence whose keys and values the attention
     reads for its first query anyway: its attention is priced at `query_attention` a context
