@@ -13,8 +13,8 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SpeculativeConfig
 from tokenmill.executor.spec import ngram as ngram_module
-from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, OPTIMISTIC_RATE,
-                                              Calibration, StepCost, choose_num_drafts)
+from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, EXPLORE_SHARE, MAX_EXPLORE_AFTER, MEASURE_EVERY,
+                                              OPTIMISTIC_RATE, Calibration, StepCost, choose_num_drafts)
 from tokenmill.executor.spec.proposer import Proposer
 
 
@@ -127,6 +127,27 @@ def test_exploring_only_where_drafts_accepted_at_the_optimistic_rate_would_be_ch
             return choose_num_drafts(rates, [4] * n, n, cost, contexts=[context] * n)
         proposer.dry_steps = proposer.explore_after
         assert (proposer.explore([0.3] * n, [4] * n, choose) is not None) == explores
+
+
+def test_an_exploration_waits_while_its_catch_up_costs_more_than_its_share_of_the_time():
+    """A drafter that must catch up with the exploring request first (all the tokens since it
+    last drafted) explores once the steps since the last exploration are worth 1/EXPLORE_SHARE
+    times that catch-up, and never later than MAX_EXPLORE_AFTER steps."""
+    proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048,
+                        StepCost([1, 1024], [0.010, 0.0101]))
+    proposer.dry_steps = EXPLORE_AFTER
+    wait = int(0.010 / (EXPLORE_SHARE * 0.010))  # a step's worth of catching up: 100 steps
+    assert wait > EXPLORE_AFTER
+    assert proposer.explore([0.9, 0.5], [4, 4], catch_up=[0.010, 0.0], step=0.010) is None
+    assert proposer.explore_after == wait and proposer.dry_steps == EXPLORE_AFTER and not proposer.exploring
+    proposer.dry_steps = wait
+    assert proposer.explore([0.9, 0.5], [4, 4], catch_up=[0.010, 0.0], step=0.010) == [4, 0]
+    assert proposer.dry_steps == 0 and proposer.explore_after == 2 * wait
+    proposer.dry_steps = proposer.explore_after = MAX_EXPLORE_AFTER
+    assert proposer.explore([0.9], [4], catch_up=[10.0], step=0.010) == [4]  # however dear
+    # without a catch-up, as before: after EXPLORE_AFTER steps
+    proposer.dry_steps = proposer.explore_after = EXPLORE_AFTER
+    assert proposer.explore([0.9], [4], catch_up=[0.0], step=0.010) == [4]
 
 
 @pytest.mark.parametrize("pays_if_likely", [True, False])

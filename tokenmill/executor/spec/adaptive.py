@@ -123,6 +123,9 @@ MEASURE_EVERY = 32
 # before the next try, up to MAX_EXPLORE_AFTER
 EXPLORE_AFTER = 64
 MAX_EXPLORE_AFTER = 1024
+# an exploration whose drafter must first catch up with the request waits until that costs
+# at most this share of the time since the last (Proposer.explore)
+EXPLORE_SHARE = 0.01
 # an exploration is made only where the choice would keep drafts if every request's were
 # accepted this often: where not even that pays (a large batch, a long catch-up), it would
 # cost a step's worth of time to learn nothing that could change the choice

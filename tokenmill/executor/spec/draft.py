@@ -156,7 +156,8 @@ class DraftModel(Proposer, CacheOwner):
             return choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
                                      remaining, first_rows, calibration, self.later)
 
-        if (ks := self.explore(rates, limits, choose)) is not None:
+        catch_up = [late * self.draft_cost.catch_up for late in behind]
+        if (ks := self.explore(rates, limits, choose, catch_up, self.cost(num_tokens))) is not None:
             self.rest_length = self.resting = 0
             return ks
         ks = self.chose(choose(rates, self.calibration))

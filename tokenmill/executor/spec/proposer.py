@@ -8,8 +8,8 @@ from collections.abc import Callable
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, MAX_EXPLORE_AFTER, MEASURE_EVERY, OPTIMISTIC_RATE,
-                                              Calibration, StepCost)
+from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, EXPLORE_SHARE, MAX_EXPLORE_AFTER, MEASURE_EVERY,
+                                              OPTIMISTIC_RATE, Calibration, StepCost)
 
 RECHECK = 0.8  # a plain step this much under the cost: the next step is measured without drafts too
 STALL = 2.0  # the most a plain step slower than the target's cost counts for, in times the cost
@@ -52,8 +52,8 @@ class Proposer:
         """Whether the next choice is an exploration (see `explore`)."""
         return self.dry_steps >= self.explore_after
 
-    def explore(self, rates: list[float], limits: list[int],
-                choose: Callable[[list[float]], list[int]] | None = None) -> list[int] | None:
+    def explore(self, rates: list[float], limits: list[int], choose: Callable[[list[float]], list[int]] | None = None,
+                catch_up: list[float] | None = None, step: float = 0.0) -> list[int] | None:
         """After `explore_after` decode steps without a verified draft, one request, the
         likeliest, drafts all it can: a rate learnt from a few unlucky drafts would otherwise
         stay below what drafts are worth, and drafting would never start again. The built-in
@@ -65,14 +65,24 @@ class Proposer:
         `choose`: the step's choice for given rates. The exploration is made only where it
         would keep drafts at OPTIMISTIC_RATE: at 16 requests an EAGLE head's exploring request
         ran its 512 waiting pairs through the head first, a step's worth of time, where no
-        rate could make its drafts pay."""
+        rate could make its drafts pay.
+        `catch_up`: the seconds a drafter would spend catching up with each request before
+        its drafts, `step` a step's seconds: an exploration waits until its catch-up is at most
+        EXPLORE_SHARE of the steps since the last (a request that rested since its prompt is
+        behind by all its tokens: the built-in draft model at 4 requests spent 15-19 ms on
+        one, two to three steps' worth, every 64 steps)."""
         if not self.exploring or not any(limits):
             return None
+        best = max(range(len(rates)), key=lambda i: (limits[i] > 0, rates[i]))
+        if catch_up is not None and step > 0:
+            wait = int(catch_up[best] / (EXPLORE_SHARE * step))
+            if self.dry_steps < min(wait, MAX_EXPLORE_AFTER):
+                self.explore_after = min(wait, MAX_EXPLORE_AFTER)
+                return None
         self.dry_steps = 0
         self.explore_after = min(MAX_EXPLORE_AFTER, 2 * self.explore_after)
         if choose is not None and not any(choose([max(OPTIMISTIC_RATE, r) for r in rates])):
             return None
-        best = max(range(len(rates)), key=lambda i: (limits[i] > 0, rates[i]))
         return [limits[i] if i == best else 0 for i in range(len(rates))]
 
     def chose(self, ks: list[int]) -> list[int]:
