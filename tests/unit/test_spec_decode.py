@@ -363,7 +363,7 @@ def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
     steep = StepCost([1, 1024], [0.001, 1.024])  # a draft costs a token's time: none pays at 0.3
     drafter = SimpleNamespace(choosing=True, resting=0, rest_length=0, rest_batch=0, prior=0.3, later=0.3, cost=steep,
                               draft_cost=None, measuring=False, calibration=None, exploring=False,
-                              explore=lambda rates, limits, choose=None: None, chose=lambda ks: ks)
+                              explore=lambda rates, limits, choose=None, catch_up=None, step=0.0: None, chose=lambda ks: ks)
     drafter._rests = lambda candidates: DraftModel._rests(drafter, candidates)
     requests = [make_request(f"r{i}", [1, 2, 3], max_tokens=64) for i in range(8)]
     asked = []

@@ -156,7 +156,7 @@ class DraftModel(Proposer, CacheOwner):
             return choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
                                      remaining, first_rows, calibration, self.later)
 
-        catch_up = [late * self.draft_cost.catch_up for late in behind]
+        catch_up = [late * self.draft_cost.catch_up for late in behind] if self.draft_cost is not None else None
         if (ks := self.explore(rates, limits, choose, catch_up, self.cost(num_tokens))) is not None:
             self.rest_length = self.resting = 0
             return ks
