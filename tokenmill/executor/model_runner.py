@@ -37,11 +37,12 @@ from tokenmill.executor.penalties import PenaltyState
 from tokenmill.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from tokenmill.executor.sampler import SampledTokens, Sampler
 from tokenmill.executor.sampling_batch import build_sampling_batch
-from tokenmill.executor.spec.adaptive import StepCost, measure_step_cost
+from tokenmill.executor.spec.adaptive import StepCost
 from tokenmill.executor.spec.checkpoint import resolve_draft
 from tokenmill.executor.spec.draft import DraftModel
 from tokenmill.executor.spec.eagle import EagleProposer
 from tokenmill.executor.spec.rejection import accepted_prefix
+from tokenmill.executor.spec.timing import measure_step_cost
 from tokenmill.executor.staging import Staging
 from tokenmill.executor.step_input import StepInput
 

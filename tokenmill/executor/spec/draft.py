@@ -38,9 +38,9 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.loader import load_model
-from tokenmill.executor.spec.adaptive import (Calibration, StepCost, acceptance, choose_num_drafts, continuation,
-                                              measure_step_cost)
+from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts, continuation
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
+from tokenmill.executor.spec.timing import measure_step_cost
 from tokenmill.executor.spec.vocab import DraftVocab, load_token_map
 
 if TYPE_CHECKING:
@@ -156,8 +156,10 @@ class DraftModel(Proposer, CacheOwner):
             return choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
                                      remaining, first_rows, calibration, self.later)
 
-        catch_up = [late * self.draft_cost.catch_up for late in behind] if self.draft_cost is not None else None
-        if (ks := self.explore(rates, limits, choose, catch_up, self.cost(num_tokens))) is not None:
+        # an exploration's catch-up prices, only where one is due (this runs every step that asks)
+        catch_up, step = ([late * self.draft_cost.catch_up for late in behind], self.cost(num_tokens)) \
+            if self.exploring and self.draft_cost is not None else (None, 0.0)
+        if (ks := self.explore(rates, limits, choose, catch_up, step)) is not None:
             self.rest_length = self.resting = 0
             return ks
         ks = self.chose(choose(rates, self.calibration))
