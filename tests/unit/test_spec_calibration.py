@@ -42,7 +42,7 @@ def test_choosing_scales_by_the_calibration_and_leaves_its_prediction():
     ks = choose_num_drafts([0.9, 0.5], [4, 4], 2, mid, calibration=cal)
     assert ks == [4, 4]
     gains = sum(0.9 ** j + 0.5 ** j for j in range(1, 5))
-    assert cal.chosen == pytest.approx((gains, float(mid.forward(10) - mid.forward(2))))
+    assert cal.chosen == pytest.approx((gains, float(mid.forward(10) - mid.forward(2)), 0.0))
     cal.seconds = 4.0  # drafts cost 4x what the model says: the least likely goes
     assert choose_num_drafts([0.9, 0.5], [4, 4], 2, mid, calibration=cal) == [4, 3]
     steep = StepCost([1, 1024], [0.010, 0.3])  # 0.28 ms a token, against 5 ms a token for the step
@@ -69,7 +69,7 @@ def test_a_step_is_compared_with_the_choice_made_before_it():
     proposer.observe_step(step([[], []]), 0.012, accepted=0)  # a plain step: 2 ms of overhead
     assert cost.overhead == pytest.approx(0.1 * 0.002, rel=0.01)
     assert proposer.dry_steps == 1 and proposer.calibration.sums is None
-    proposer.calibration.chosen = (3.0, 0.004)  # this step chooses drafts predicted to add 3 tokens in 4 ms
+    proposer.calibration.chosen = (3.0, 0.004, 0.0)  # this step chooses drafts predicted to add 3 tokens in 4 ms
     proposer.seconds = 0.001  # of its 13 ms, 1 ms is drafting for the next step
     proposer.observe_step(step([[], []]), 0.013, accepted=0)
     assert proposer.calibration.sums is None  # (its own drafts were chosen in the step before: none)
@@ -86,6 +86,35 @@ def test_a_step_is_compared_with_the_choice_made_before_it():
         assert not proposer.measuring
         proposer.observe_step(step([[5], [6]]), 0.015, accepted=3)
     assert proposer.measuring  # a step in MEASURE_EVERY verifies none
+
+
+def test_a_catch_up_is_left_out_of_the_calibration_at_the_drafters_learnt_rate():
+    """A request the drafter must catch up with (a prompt) has its catch-up priced at a share
+    a step in the choice, and in full at the learnt rate in the prediction it leaves; the
+    step that verifies its drafts takes that out of the drafting's time, so the calibration
+    compares only what the drafts cost beyond it (in full against the share, clipped at 4x,
+    it made drafts look dearer after every prompt)."""
+    cost = StepCost([1, 1024], [0.010, 0.0101])
+    draft = StepCost([1, 1024], [0.0005, 0.010])
+    draft.catch_up = 20e-6
+    cal = Calibration()
+    ks = choose_num_drafts([0.9, 0.9], [1, 1], 2, cost, draft, behind=[400, 0], remaining=[100, 100],
+                           calibration=cal)
+    assert ks == [1, 1]
+    assert cal.chosen[2] == pytest.approx(400 * 20e-6)  # the whole catch-up, not its share
+    shares = choose_num_drafts([0.9, 0.9], [1, 1], 2, cost, draft, behind=[0, 0], calibration=cal)
+    assert shares == [1, 1] and cal.chosen[2] == 0.0
+    proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048, cost)
+    proposer.observe_step(step([[], []]), 0.010, accepted=0)
+    proposer.calibration.chosen = (1.8, 0.002, 0.008)  # its drafting: 1.5 ms, and 8 ms catching up
+    proposer.seconds = 0.0095
+    proposer.observe_step(step([[], []]), 0.0095 + 0.010, accepted=0)
+    proposer.seconds = 0.0
+    proposer.observe_step(step([[5], [6]]), 0.011, accepted=2)
+    added = 0.0015 + 0.011 - cost(2)  # what the drafts added, the catch-up aside
+    w = 2 * 0.95
+    assert proposer.calibration.seconds == pytest.approx((w * 0.002 + added) / (w * 0.002 + 0.002))
+    assert proposer.calibration.seconds < 1.5
 
 
 def test_exploring_after_steps_without_drafts_doubles_its_interval_until_a_choice_drafts():

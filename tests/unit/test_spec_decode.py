@@ -311,6 +311,25 @@ def test_a_drafters_catch_up_is_paid_by_the_requests_first_draft():
                              behind=[500 * CATCH_UP_STEPS, 0]) == [0, 1]
 
 
+def test_a_request_joining_a_drafting_batch_catches_up_with_its_prompt():
+    """At 4 requests of the built-in model with its EAGLE head (costs as timed on a 2-core
+    CPU), a request that joins three drafting ones with a 390-token prompt and 128 tokens to
+    go is worth the head's catch-up (24 ms at 61 us a token): spread over the steps it has
+    left, not over 16 (which made it 1.5 ms a step, more than its first draft is worth)."""
+    assert CATCH_UP_STEPS >= 64
+    tokens = [1, 2, 4, 8, 9, 16, 64, 512]
+    cost = StepCost(tokens, [4.37e-3, 4.43e-3, 4.54e-3, 4.8e-3, 6.73e-3, 7.02e-3, 12.9e-3, 73.3e-3])
+    head = StepCost(tokens, [0.52e-3, 0.55e-3, 0.62e-3, 0.8e-3, 1.5e-3, 1.5e-3, 3.64e-3, 16.8e-3])
+    head.catch_up = 61e-6
+    ks = choose_num_drafts([0.8] * 4, [4] * 4, 4, cost, head, contexts=[450] * 4, behind=[0, 0, 0, 390],
+                           remaining=[100, 100, 100, 128], first_rows=[2] * 4)
+    assert ks[3] > 0 and all(ks)
+    # with a few steps left it is not
+    ks = choose_num_drafts([0.8] * 4, [4] * 4, 4, cost, head, contexts=[450] * 4, behind=[0, 0, 0, 390],
+                           remaining=[100, 100, 100, 8], first_rows=[2] * 4)
+    assert ks[3] == 0 and all(ks[:3])
+
+
 def test_a_draft_models_first_forward_counts_each_requests_rows():
     """A draft model's first forward in a step computes, for each request that drafts, its
     last token before the step and the tokens the step gave it (2 + its accepted drafts).

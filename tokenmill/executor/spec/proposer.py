@@ -103,7 +103,10 @@ class Proposer:
         accepted over all steps. A decode step that verified no drafts teaches the target's
         step cost (its overhead); one that verified chosen drafts, the calibration: their
         accepted tokens, and the drafting before the step plus the step's time over its
-        cost without them, against what the choice predicted."""
+        cost without them, against what the choice predicted. Catch-ups are left out on
+        both sides, at the rate the drafter learns for them (StepCost.observe_catch_up): a
+        prompt's catch-up, priced a share a step, counted in full against that share's
+        prediction, clipped at 4x, made drafts look 4x dearer after every prompt."""
         cal = self.calibration
         tokens, self._accepted = accepted - self._accepted, accepted
         seconds -= self.seconds
@@ -121,8 +124,8 @@ class Proposer:
         self.plain_steps_ago += 1
         self.dry_steps = 0
         if predicted is not None:  # (drafts verified while exploring were not chosen)
-            extra_tokens, extra_seconds, drafting = predicted
-            added = drafting + seconds - self.cost(total - drafts)
+            extra_tokens, extra_seconds, catch_up, drafting = predicted
+            added = drafting - catch_up + seconds - self.cost(total - drafts)
             cal.observe(extra_tokens, extra_seconds, tokens, added)
 
     def _observe_plain(self, num_tokens: int, seconds: float) -> None:
