@@ -16,7 +16,8 @@ from tests.unit.test_sampler import batch as sampler_batch
 from tests.unit.test_scheduler import FakeRunner, make_request, make_scheduler, next_token, step
 from tokenmill.config import EngineConfig
 from tokenmill.executor.sampler import Sampler
-from tokenmill.executor.spec.adaptive import CATCH_UP_STEPS, StepCost, acceptance, choose_num_drafts
+from tokenmill.executor.spec.adaptive import (CATCH_UP_STEPS, DOUBTFUL_CATCH_UP_STEPS, Calibration, StepCost,
+                                              acceptance, choose_num_drafts)
 from tokenmill.executor.spec.ngram import TokenArrays, propose, propose_batch
 from tokenmill.executor.spec.proposer import can_speculate
 from tokenmill.executor.spec.rejection import accepted_prefix
@@ -297,7 +298,7 @@ def test_a_drafters_catch_up_is_paid_by_the_requests_first_draft():
     flat = StepCost([1, 1024], [0.010, 0.0101])
     head = StepCost([1, 1024], [0.001, 0.002])
     head.catch_up = 20e-6
-    late = 96 * CATCH_UP_STEPS  # tokens behind: 1.9 ms a step over CATCH_UP_STEPS
+    late = 96 * DOUBTFUL_CATCH_UP_STEPS  # tokens behind: 1.9 ms a step over the steps (no calibration: doubtful)
     assert choose_num_drafts([0.8], [4], 1, flat, head, behind=[late]) == [4]
     ks = choose_num_drafts([0.8] * 16, [4] * 16, 16, flat, head, behind=[late] * 8 + [0] * 8)
     assert ks == [0] * 8 + [4] * 8
@@ -308,26 +309,38 @@ def test_a_drafters_catch_up_is_paid_by_the_requests_first_draft():
     assert choose_num_drafts([0.8], [4], 1, flat, head, behind=[late], remaining=[4]) == [0]
     # a likelier request far behind ranks below a less likely one that is not
     assert choose_num_drafts([0.9, 0.6], [1, 1], 2, StepCost([1, 2, 1024], [0.010, 0.0105, 0.5]), head,
-                             behind=[500 * CATCH_UP_STEPS, 0]) == [0, 1]
+                             behind=[500 * DOUBTFUL_CATCH_UP_STEPS, 0]) == [0, 1]
 
 
-def test_a_request_joining_a_drafting_batch_catches_up_with_its_prompt():
+def test_a_request_joining_a_drafting_batch_catches_up_where_the_calibration_confirmed_the_drafts():
     """At 4 requests of the built-in model with its EAGLE head (costs as timed on a 2-core
     CPU), a request that joins three drafting ones with a 390-token prompt and 128 tokens to
-    go is worth the head's catch-up (24 ms at 61 us a token): spread over the steps it has
-    left, not over 16 (which made it 1.5 ms a step, more than its first draft is worth)."""
-    assert CATCH_UP_STEPS >= 64
+    go is worth the head's catch-up (24 ms at 61 us a token) where the drafts have given what
+    was predicted: spread over the steps it has left (at most CATCH_UP_STEPS), not over 16
+    (1.5 ms a step, more than its first draft is worth). Before the calibration has confirmed
+    the drafts, or where it found them short, a catch-up is spread over 16 steps."""
+    assert CATCH_UP_STEPS >= 64 and DOUBTFUL_CATCH_UP_STEPS == 16
     tokens = [1, 2, 4, 8, 9, 16, 64, 512]
     cost = StepCost(tokens, [4.37e-3, 4.43e-3, 4.54e-3, 4.8e-3, 6.73e-3, 7.02e-3, 12.9e-3, 73.3e-3])
     head = StepCost(tokens, [0.52e-3, 0.55e-3, 0.62e-3, 0.8e-3, 1.5e-3, 1.5e-3, 3.64e-3, 16.8e-3])
     head.catch_up = 61e-6
-    ks = choose_num_drafts([0.8] * 4, [4] * 4, 4, cost, head, contexts=[450] * 4, behind=[0, 0, 0, 390],
-                           remaining=[100, 100, 100, 128], first_rows=[2] * 4)
-    assert ks[3] > 0 and all(ks)
-    # with a few steps left it is not
-    ks = choose_num_drafts([0.8] * 4, [4] * 4, 4, cost, head, contexts=[450] * 4, behind=[0, 0, 0, 390],
-                           remaining=[100, 100, 100, 8], first_rows=[2] * 4)
-    assert ks[3] == 0 and all(ks[:3])
+    confirmed = Calibration()
+    confirmed.observe(2.0, 0.002, 2.0, 0.002)  # a step's drafts gave what was predicted
+    assert confirmed.confirmed
+
+    def choose(remaining: int, calibration: Calibration | None) -> list[int]:
+        return choose_num_drafts([0.8] * 4, [4] * 4, 4, cost, head, contexts=[450] * 4, behind=[0, 0, 0, 390],
+                                 remaining=[100, 100, 100, remaining], first_rows=[2] * 4, calibration=calibration)
+
+    assert all(choose(128, confirmed))
+    assert choose(8, confirmed)[3] == 0  # with a few steps left it is not worth it
+    assert choose(128, None)[3] == 0 and all(choose(128, None)[:3])  # unconfirmed
+    short = Calibration()
+    short.observe(2.0, 0.002, 1.0, 0.003)  # half the tokens, 1.5x the seconds
+    assert not short.confirmed and choose(128, short)[3] == 0
+    for _ in range(5000):  # fading does not confirm drafts
+        short.fade()
+    assert not short.confirmed
 
 
 def test_a_draft_models_first_forward_counts_each_requests_rows():

@@ -143,6 +143,9 @@ class Calibration:
         self.tokens = 1.0  # tokens drafts added / predicted
         self.seconds = 1.0  # seconds drafts added / predicted
         self.sums: list[float] | None = None  # real tokens, predicted tokens, real seconds, predicted seconds
+        # whether the drafts gave at least CONFIRMED of the tokens per second predicted, as of
+        # the last step that verified chosen ones (fading does not confirm them)
+        self.confirmed = False
         # this step's choice: extra (tokens, seconds) predicted, and its catch-ups' seconds at
         # the drafter's learnt rate (StepCost.catch_up), which the calibration leaves out
         self.chosen: tuple[float, float, float] | None = None
@@ -163,6 +166,7 @@ class Calibration:
         s[0], s[1] = d * s[0] + tokens, d * s[1] + predicted_tokens
         s[2], s[3] = d * s[2] + seconds, d * s[3] + predicted_seconds
         self._ratios()
+        self.confirmed = self.tokens >= CONFIRMED * self.seconds
 
     def fade(self) -> None:
         """A step without drafts teaches nothing here; what made drafts lose (another load on
@@ -209,10 +213,17 @@ def acceptance(accepted: int, rejected: int, prior: float, weight: float = 2.0) 
 # a drafter's catch-up with a request (the tokens it has not computed: a prompt, or the
 # steps the request did not draft in) is counted against the request's first draft, spread
 # over this many steps (fewer if the request ends sooner): once caught up, the request
-# drafts at the usual cost. (Over 16, a prompt's catch-up outweighed the first draft of
-# each request that joined a running batch: EAGLE at 4 requests on the rewrite set then
-# drafted only in a run's first steps, 0.98x of no speculation against 1.12x over 64.)
+# drafts at the usual cost. That holds where the calibration has confirmed the drafts:
+# they gave at least CONFIRMED of the tokens per second predicted. Where it has not, a
+# catch-up buys drafts whose worth is in doubt, and is spread over DOUBTFUL_CATCH_UP_STEPS.
+# (Over 16 steps always, a prompt's catch-up outweighed the first draft of each request
+# that joined a drafting batch: EAGLE at 4 requests on the rewrite set drafted only in a
+# run's first steps, 0.98x of no speculation against 1.12x over 64. Over 64 always, the
+# draft model at 4 requests and EAGLE at 16, whose drafts do not pay there, caught up with
+# every prompt to find that out: 0.965x against 0.985x and 0.966x against 0.984x.)
 CATCH_UP_STEPS = 64
+DOUBTFUL_CATCH_UP_STEPS = 16
+CONFIRMED = 0.9
 
 
 def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, cost: StepCost,
@@ -232,15 +243,18 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     each of its drafts attends to in the target's forward (one more query of the request's,
     cost.query_attention a token) and the draft's. `behind`: the
     tokens the draft has to catch up with before drafting for each request; their cost
-    (draft.catch_up each, over CATCH_UP_STEPS) goes with the request's first draft, which
+    (draft.catch_up each, over CATCH_UP_STEPS, or DOUBTFUL_CATCH_UP_STEPS unless the calibration
+    has confirmed the drafts) goes with the request's first draft, which
     ranks lower by what that time is worth in tokens (and its later drafts no higher).
     `remaining`: the tokens each request may still produce; one that ends sooner than
     CATCH_UP_STEPS steps at its rate spreads its catch-up over the steps it has left.
     `first_rows`: the rows each request has in the draft's first forward of a step it drafts
     in, its catch-up aside (default 1). A draft model computes the request's last token
     before the step and the tokens the step gave it: 2 + its accepted drafts.
-    `calibration`: its ratios scale the drafts' tokens and added seconds, and the choice's
-    prediction (before scaling) is left in `calibration.chosen` for the step that verifies it."""
+    `calibration`: its ratios scale the drafts' tokens and added seconds (not the catch-ups',
+    which the drafter learns apart), and the choice's prediction (before scaling; the kept
+    requests' catch-ups in full beside it) is left in `calibration.chosen` for the step that
+    verifies it."""
     rates = np.asarray(rates, dtype=np.float64)
     limits = np.asarray(limits, dtype=np.int64)
     total = int(limits.sum())
@@ -258,10 +272,11 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     catch = np.zeros(total)  # a first draft's share of its request's catch-up
     behind_of = np.zeros(total)  # a first draft's request's tokens to catch up with
     if behind is not None and draft is not None and draft.catch_up > 0:
-        spread = np.full(len(rates), float(CATCH_UP_STEPS))
+        most_steps = CATCH_UP_STEPS if calibration is not None and calibration.confirmed else DOUBTFUL_CATCH_UP_STEPS
+        spread = np.full(len(rates), float(most_steps))
         if remaining is not None:  # steps left: its tokens over the tokens a step gives it with its drafts
             per_step = 1 + np.bincount(owner, weights=gain, minlength=len(rates))
-            spread = np.clip(np.asarray(remaining, dtype=np.float64) / per_step, 1.0, CATCH_UP_STEPS)
+            spread = np.clip(np.asarray(remaining, dtype=np.float64) / per_step, 1.0, most_steps)
         behind_of[first[some]] = np.asarray(behind, dtype=np.float64)[some]
         catch[first[some]] = behind_of[first[some]] * draft.catch_up / spread[some]
     # the rank: a first draft's worth less its catch-up's time in tokens (at the step's rate
