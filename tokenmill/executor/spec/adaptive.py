@@ -317,8 +317,8 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     rate[np.arange(total + 1)[None, :] > within.sum(axis=1)[:, None]] = -np.inf  # past a cap's drafts
     cap, keep = divmod(int(np.argmax(rate)), total + 1)
     if calibration is not None:
-        caught = orders[cap, :keep][depth[orders[cap, :keep]] == 1]  # the kept requests' first drafts
-        catch_up = float(np.sum(behind_of[caught])) * draft.catch_up if draft is not None else 0.0
+        # the kept requests' catch-ups (behind_of is 0 but at first drafts)
+        catch_up = float(behind_of[orders[cap, :keep]].sum()) * draft.catch_up if draft is not None else 0.0
         calibration.chosen = (float(expected[cap, keep]) - n, float(seconds[cap, keep] - seconds[cap, 0]),
                               catch_up) if keep else None
     return np.bincount(owner[orders[cap, :keep]], minlength=len(rates)).tolist()
