@@ -13,6 +13,7 @@ from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, EXPLORE_SHARE, MAX_
 
 RECHECK = 0.8  # a plain step this much under the cost: the next step is measured without drafts too
 STALL = 2.0  # the most a plain step slower than the target's cost counts for, in times the cost
+FADE = 0.9  # what a request's evidence keeps in a step it gets no drafts (Proposer.fade)
 
 
 def can_speculate(request: Request) -> str | None:
@@ -46,6 +47,8 @@ class Proposer:
         self.dry_steps = 0  # decode steps in a row that verified no drafts
         self.plain_steps_ago = 0  # decode steps since the last one that verified no drafts
         self.explore_after = EXPLORE_AFTER  # dry steps before one request drafts all it can
+        # the last plain step's cost and tokens, and the start-up forward's seconds at them
+        self._plain: tuple[StepCost | None, int, float] = (None, 0, 0.0)
 
     @property
     def exploring(self) -> bool:
@@ -139,7 +142,10 @@ class Proposer:
         drafting in every step after it ended, at 0.93x the throughput of one without drafts.
         Weighing a faster plain step up to half, as tried, learnt the overhead too low where
         drafts pay a little: EAGLE at 4 requests stopped drafting.)"""
-        x = float(self.cost.forward(num_tokens))  # (one interpolation a step, not two)
+        cost, plain = self.cost, self._plain
+        if plain[0] is not cost or plain[1] != num_tokens:  # (an interpolation is 5 us; a batch keeps its size)
+            plain = self._plain = (cost, num_tokens, float(cost.forward(num_tokens)))
+        x = plain[2]
         predicted = x + self.cost.overhead
         self.cost.observe_curve(x, min(seconds, STALL * predicted))
         self.plain_steps_ago = MEASURE_EVERY if seconds < RECHECK * predicted else 0
@@ -155,7 +161,7 @@ class Proposer:
         pass
 
     @staticmethod
-    def fade(request: Request, num_drafts: int, keep: float = 0.9) -> None:
+    def fade(request: Request, num_drafts: int, keep: float = FADE) -> None:
         """A request given no drafts gathers no evidence; what it had fades, so that its rate
         returns towards the proposer's overall one and it is tried again (drafts that failed
         early in an output often succeed once it repeats itself)."""
