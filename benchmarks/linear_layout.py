@@ -7,7 +7,10 @@ row counts:
 
 Prints microseconds per call (best of 5 runs) and marks the layers that `Linear.pack` keeps
 plain as well as packed (fewer than SMALL_FLOAT32_WEIGHT elements), which run steps of up
-to SMALL_ROWS rows through `small_linear`. A layer alone keeps its weights in cache; in a
+to SMALL_ROWS rows through `small_linear`. Where the CPU has AVX512-BF16, a second table does
+the same for bfloat16 weights: oneDNN's packed call against `small_linear_bf16` (up to 16 rows,
+the weight laid out by `pack_bf16_pairs`), at those shapes and at a wider model's (hidden 2048),
+with the rows `Linear.pack` gives each (`small_bfloat16_rows`). A layer alone keeps its weights in cache; in a
 model they are read from memory each forward, so the script then times whole forwards (1,
 2, 5 and 8 tokens over a 450-token context, logits and argmax) of the built-in model and
 its draft in float32, taking turns, with the other model's forward in between as in a
@@ -17,7 +20,9 @@ speculative step: every layer packed; small ones plain through MKL up to PLAIN_R
 `--engine 1,4,16` then runs the built-in model's engine at those concurrencies with and
 without `small_linear` (two engines in one process taking turns, benchmarks/speculative.py's
 completion prompts, greedy, 128 tokens each) and prints the output tokens/s and TPOT ratios,
-the median of `--engine-rounds` rounds, and whether the outputs were identical.
+the median of `--engine-rounds` rounds, and whether the outputs were identical. The engine
+runs in its default dtype: bfloat16 where the CPU has AVX512-BF16, where the kernel is
+`small_linear_bf16` (without it, every step takes oneDNN's packed call); else float32.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from torch.nn import functional as F
 
 import tokenmill.executor.layers.linear as linear
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
-from tokenmill.executor.layers.linear import PLAIN_ROWS, SMALL_FLOAT32_WEIGHT, SMALL_ROWS
+from tokenmill.executor.layers.linear import (PLAIN_ROWS, SMALL_BFLOAT16_WEIGHT, SMALL_FLOAT32_WEIGHT, SMALL_ROWS,
+                                              pack_bf16_pairs, small_bfloat16_rows)
 
 # (out, in): built-in target, its draft, the 56M model of cpu_throughput.py
 SHAPES = {"target": [(512, 256), (256, 256), (1408, 256), (256, 704), (8192, 256)],
@@ -83,9 +89,33 @@ def main() -> None:
                 cells.append(f"{a:.0f} / {b:.0f}{c}")
             kept = f"plain too, up to {SMALL_ROWS} rows" if w.numel() < SMALL_FLOAT32_WEIGHT else "packed"
             print(f"| {model} | {out_features} x {in_features} | {kept} | " + " | ".join(cells) + " |", flush=True)
+    if kernels is not None and kernels.has_small_linear_bf16:
+        bfloat16_table(kernels.small_linear_bf16)
     whole_forwards(args.repeats, small is not None)
     if args.engine and small is not None:
         engine_ab(args.engine, args.engine_rounds)
+
+
+def bfloat16_table(kernel) -> None:
+    """bfloat16 weights: oneDNN's packed call against small_linear_bf16, us per call."""
+    rows = [1, 2, 4, 5, 8, 12, 16]
+    print("\nbfloat16: us per call, packed / small_linear_bf16 (* the rows Linear runs through the kernel)\n")
+    print("| model | out x in | " + " | ".join(f"{m} rows" for m in rows) + " |")
+    print("|---|---|" + "---|" * len(rows))
+    shapes = {**SHAPES, "wide": [(4096, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]}
+    for model, pairs in shapes.items():
+        for out_features, in_features in pairs:
+            w = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+            packed, small = torch.ops.mkldnn._reorder_linear_weight(w, 64), pack_bf16_pairs(w)
+            kept = small_bfloat16_rows(w.numel()) if w.numel() < SMALL_BFLOAT16_WEIGHT else 0
+            cells = []
+            for m in rows:
+                x = torch.randn(m, in_features, dtype=torch.bfloat16)
+                calls = max(20, 2000 // m)
+                a = best_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), calls)
+                b = best_us(lambda: kernel(x, small, None, out_features), calls)
+                cells.append(f"{a:.0f} / {b:.0f}" + ("*" if m <= kept else ""))
+            print(f"| {model} | {out_features} x {in_features} | " + " | ".join(cells) + " |", flush=True)
 
 
 def forward_fn(llm, num_tokens: int):
@@ -110,7 +140,8 @@ def forward_fn(llm, num_tokens: int):
 
 
 def without_small_linear(llm):
-    """`llm` as `Linear` runs without the CPU kernels: MKL's GEMM up to PLAIN_ROWS rows."""
+    """`llm` as `Linear` runs without the CPU kernels: MKL's GEMM up to PLAIN_ROWS rows
+    (float32), oneDNN's packed call (bfloat16)."""
     for module in llm.engine.runner.model.modules():
         if isinstance(module, linear.Linear):
             module.small_kernel = None

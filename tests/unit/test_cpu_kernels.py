@@ -141,3 +141,87 @@ def test_linear_runs_small_steps_through_small_linear(small_linear):
             assert torch.allclose(layer(x).double(), x.double() @ w.double().T + b.double(), atol=1e-4)
         assert layer(torch.randn(0, 64)).shape == (0, 128)  # no rows: not the kernel's (it refuses them)
     assert calls == [1, SMALL_ROWS]
+
+
+@pytest.fixture(scope="module")
+def small_linear_bf16(kernels):
+    if not kernels.has_small_linear_bf16:
+        pytest.skip("small_linear_bf16 needs AVX512-BF16")
+    return kernels.small_linear_bf16
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (37, 71), (130, 8), (5, 3), (16, 1)])
+def test_small_linear_bf16_against_float64(small_linear_bf16, rows, out_features, in_features):
+    """Outputs not a multiple of 16 and odd inputs come out of the padded layout; the result is
+    the float64 product rounded to bfloat16 (as close as F.linear's, which rounds once too)."""
+    from tokenmill.executor.layers.linear import pack_bf16_pairs
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * in_features, generator=g).bfloat16()[:, ::2]  # rows with a stride
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    packed = pack_bf16_pairs(w)
+    assert packed.shape == (-(-out_features // 16), -(-in_features // 2), 16, 2)
+    for bias in (None, b):
+        ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        y = small_linear_bf16(x, packed, bias, out_features)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        assert torch.allclose(y.double(), ref, rtol=2 ** -8, atol=1e-6)  # within a bfloat16 rounding
+
+
+def test_small_linear_bf16_rows_do_not_depend_on_each_other(small_linear_bf16):
+    """A row's output is the same, bit for bit, whatever rows are computed with it."""
+    from tokenmill.executor.layers.linear import pack_bf16_pairs
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(16, 700, generator=g).bfloat16()
+    packed = pack_bf16_pairs(torch.randn(1408, 700, generator=g).bfloat16())
+    alone = torch.cat([small_linear_bf16(x[i:i + 1], packed, None, 1408) for i in range(16)])
+    for rows in range(2, 17):
+        assert torch.equal(small_linear_bf16(x[:rows], packed, None, 1408), alone[:rows])
+
+
+def test_small_linear_bf16_refuses_what_it_does_not_run(small_linear_bf16):
+    from tokenmill.executor.layers.linear import pack_bf16_pairs
+    w = torch.randn(32, 64).bfloat16()
+    packed = pack_bf16_pairs(w)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        small_linear_bf16(torch.randn(17, 64).bfloat16(), packed, None, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        small_linear_bf16(torch.randn(2, 64), packed, None, 32)
+    with pytest.raises(RuntimeError, match="pack_bf16_pairs"):
+        small_linear_bf16(torch.randn(2, 64).bfloat16(), w, None, 32)
+    with pytest.raises(RuntimeError, match="x has 62 columns"):
+        small_linear_bf16(torch.randn(2, 62).bfloat16(), packed, None, 32)
+    with pytest.raises(RuntimeError, match="bias of 32 elements"):
+        small_linear_bf16(torch.randn(2, 64).bfloat16(), packed, torch.randn(31).bfloat16(), 32)
+
+
+def test_bfloat16_linear_runs_small_steps_through_small_linear_bf16(small_linear_bf16):
+    """A packed bfloat16 layer keeps a copy for small_linear_bf16 and runs steps of up to its
+    small_rows rows through it (more rows for fewer elements); larger steps take oneDNN's
+    packed weight. Both give the layer's product; a large weight keeps no second copy."""
+    from tokenmill.executor.layers.linear import SMALL_BFLOAT16_WEIGHT, Linear, small_bfloat16_rows
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: layers stay plain")
+    assert small_bfloat16_rows(128 * 64) == 16 and small_bfloat16_rows(1408 * 256) == 5
+    assert small_bfloat16_rows(8192 * 256) == 4
+    g = torch.Generator().manual_seed(3)
+    layer = Linear(64, {"a": 48, "b": 80}, bias=True).bfloat16()
+    w, b = torch.randn(128, 64, generator=g).bfloat16(), torch.randn(128, generator=g).bfloat16()
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    layer.pack()
+    assert layer.small_rows == 16 and layer.small.shape == (8, 32, 16, 2)
+    calls = []
+    kernel = layer.small_kernel
+    layer.small_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
+    with torch.inference_mode():
+        for rows in (1, 16, 17, 40):
+            x = torch.randn(rows, 64, generator=g).bfloat16()
+            ref = x.double() @ w.double().T + b.double()
+            assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2)
+        assert layer(torch.randn(0, 64).bfloat16()).shape == (0, 128)
+    assert calls == [1, 16]
+    big = Linear(1024, SMALL_BFLOAT16_WEIGHT // 1024).bfloat16()
+    big.pack()
+    assert big.packed is not None and big.small is None

@@ -1,6 +1,6 @@
 """Native CPU kernels (paged decode and prefill attention, RMSNorm, rotary, SiLU-and-mul,
 greedy argmax, W8A8 INT8 linear layers through fbgemm, float32 linear layers of up to 8
-rows), compiled on first use with torch's C++ extension builder.
+rows and bfloat16 ones of up to 16), compiled on first use with torch's C++ extension builder.
 
 Building needs a C++ compiler and ninja; it takes about a minute once per machine
 (the result is cached under ~/.cache/tokenmill, in a folder keyed by everything the
@@ -31,7 +31,7 @@ logger = logging.getLogger("tokenmill")
 
 _SRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "attention.cpp", "decode_attention_avx2.cpp", "prefill_attention.cpp", "elementwise.cpp",
-            "sampling.cpp", "int8_linear.cpp", "small_linear.cpp")
+            "sampling.cpp", "int8_linear.cpp", "small_linear.cpp", "small_linear_bf16.cpp")
 _HEADERS = tuple(sorted(p.name for p in _SRC.glob("*.h")))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 

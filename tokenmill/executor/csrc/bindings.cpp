@@ -14,6 +14,9 @@ void rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool has_small_linear();
+bool has_small_linear_bf16();
+torch::Tensor small_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                                int64_t out);
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 void bind_int8_linear(pybind11::module& m);
 
@@ -37,5 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_small_linear") = has_small_linear();
   m.def("small_linear", &small_linear, "x W^T (+ b), float32, for 1 to 8 rows of x (AVX2 + FMA)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = py::none());
+  m.attr("has_small_linear_bf16") = has_small_linear_bf16();
+  m.def("small_linear_bf16", &small_linear_bf16,
+        "x W^T (+ b), bfloat16, for 1 to 16 rows of x, W laid out by pack_bf16_pairs (AVX512-BF16)", py::arg("x"),
+        py::arg("packed"), py::arg("bias"), py::arg("out"));
   bind_int8_linear(m);  // where torch has fbgemm (x86-64)
 }

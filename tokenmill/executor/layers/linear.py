@@ -8,6 +8,7 @@ parallelism (`tp_shard`, executor/distributed) it first takes this rank's part o
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,29 @@ SMALL_ROWS = 8
 PLAIN_ROWS = 4
 
 
+# bfloat16 weights with fewer elements than this (8 MB), with the CPU kernels' small_linear_bf16
+# (AVX512-BF16), keep a copy laid out by pack_bf16_pairs for steps of up to 4 rows, and of up to
+# 16 while rows x elements stay within SMALL_BFLOAT16_WORK: oneDNN's packed call (AMX where the
+# CPU has it) costs 20-30 us at least, flat in the rows, while the kernel's dot products grow with
+# them (benchmarks/linear_layout.py). Larger weights gain little (12% at one row of 2048 x 11264)
+# for a second copy of many megabytes.
+SMALL_BFLOAT16_WEIGHT = 1 << 22
+SMALL_BFLOAT16_WORK = 1 << 21
+
+
+def small_bfloat16_rows(numel: int) -> int:
+    """The most rows a bfloat16 weight of `numel` elements runs through small_linear_bf16."""
+    return max(4, min(16, SMALL_BFLOAT16_WORK // max(1, numel)))
+
+
+def pack_bf16_pairs(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 16, in / 2, 16, 2], zero-padded: for each block of 16 outputs and
+    pair of inputs, the 16 outputs' two weights (what small_linear_bf16 reads)."""
+    out_features, in_features = w.shape
+    w = F.pad(w, (0, in_features % 2, 0, -out_features % 16))
+    return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), whose output rows may be split into named shards. With a
     `quant_method` (layers/quantization), the method declares what the layer loads, packs
@@ -50,8 +74,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
         self.packed: torch.Tensor | None = None
-        self.small: torch.Tensor | None = None  # the plain weight kept beside the packed one
-        self.small_kernel = None  # the CPU kernels' small_linear, for it
+        # the weight kept beside the packed one for steps of at most small_rows rows: a float32
+        # one plain, a bfloat16 one laid out by pack_bf16_pairs; small_kernel: the CPU kernel for it
+        self.small: torch.Tensor | None = None
+        self.small_kernel = None
+        self.small_rows = SMALL_ROWS
         self.quant_method = quant_method
         if quant_method is not None:
             quant_method.create_weights(self)
@@ -60,10 +87,10 @@ class Linear(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         if self.packed is not None:
-            if self.small is not None and x.shape[0] <= SMALL_ROWS:
+            if self.small is not None and x.shape[0] <= self.small_rows:
                 if self.small_kernel is not None and x.dim() == 2 and x.shape[0] > 0:
                     return self.small_kernel(x, self.small, self.bias)
-                if x.shape[0] <= PLAIN_ROWS:
+                if x.shape[0] <= PLAIN_ROWS and self.small.dtype == torch.float32:
                     return F.linear(x, self.small, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -76,6 +103,7 @@ class Linear(nn.Module):
         steps of at most SMALL_ROWS rows (see SMALL_FLOAT32_WEIGHT): oneDNN's call costs
         about 30 us more there, which at one row made a forward of the built-in model 11%
         slower and of its draft 26% than MKL's GEMM (`benchmarks/linear_layout.py`).
+        Small bfloat16 weights keep a copy for small_linear_bf16 (see SMALL_BFLOAT16_WEIGHT).
         Otherwise the plain copy is dropped once packed. A quantized layer packs as its
         method says."""
         if self.quant_method is not None:
@@ -88,11 +116,16 @@ class Linear(nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
             except RuntimeError:  # no 16-bit path in oneDNN on this CPU (no AVX-512 or AVX-NE-CONVERT)
                 return
+            kernels = load_cpu_kernels()
             if w.dtype == torch.float32 and w.numel() < SMALL_FLOAT32_WEIGHT:
                 self.small = w.detach()
-                kernels = load_cpu_kernels()
                 if kernels is not None and kernels.has_small_linear:
                     self.small_kernel = kernels.small_linear
+            elif w.dtype == torch.bfloat16 and w.numel() < SMALL_BFLOAT16_WEIGHT and kernels is not None \
+                    and kernels.has_small_linear_bf16:
+                self.small = pack_bf16_pairs(w.detach())
+                self.small_kernel = partial(kernels.small_linear_bf16, out=self.out_features)
+                self.small_rows = small_bfloat16_rows(w.numel())
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
