@@ -90,12 +90,17 @@ def test_adaptive_speculation_keeps_the_output_and_counts_its_choices(engines, a
 
 
 def test_the_step_cost_is_timed_where_the_linear_layers_change_paths(adaptive):
-    """Past SMALL_ROWS rows the linear layers leave small_linear for the packed weights: the
-    start-up timing has a point on each side, so a step of 9 tokens is priced as timed."""
-    from tokenmill.executor.layers.linear import SMALL_ROWS
-    cost = adaptive.engine.runner.step_cost
-    assert {SMALL_ROWS, SMALL_ROWS + 1, 2 * SMALL_ROWS} <= set(cost.tokens.tolist())
-    assert cost.forward(SMALL_ROWS + 1) == pytest.approx(cost.seconds[cost.tokens.tolist().index(SMALL_ROWS + 1)])
+    """Past its small_rows rows a linear layer leaves its small-step kernel for the packed
+    weight (SMALL_ROWS in float32): the start-up timing has a point on each side, so a step of
+    9 tokens is priced as timed."""
+    from tokenmill.executor.layers.linear import SMALL_ROWS, Linear
+    runner = adaptive.engine.runner
+    changes = {m.small_rows + 1 for m in runner.model.modules() if isinstance(m, Linear) and m.small is not None}
+    assert changes == {SMALL_ROWS + 1}  # (float32: every small layer's)
+    cost = runner.step_cost
+    assert {*changes, SMALL_ROWS, 2 * SMALL_ROWS} <= set(cost.tokens.tolist())
+    for n in changes:
+        assert cost.forward(n) == pytest.approx(cost.seconds[cost.tokens.tolist().index(n)])
 
 
 def test_mixed_batch_each_request_gets_what_it_would_alone(engines):

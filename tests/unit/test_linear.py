@@ -45,3 +45,25 @@ def test_large_float32_layers_keep_only_the_packed_weight():
     assert layer.packed is not None and layer.small is None
     x = torch.randn(2, 128)
     assert torch.allclose(layer(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_calls_round_their_rows_to_a_few_sizes():
+    """oneDNN compiles a kernel per shape: a packed call computes its rows rounded up (at most
+    1/8 more), so that a model's layers have a few shapes whatever the steps' sizes."""
+    from tokenmill.executor.layers.linear import packed_rows
+    sizes = [packed_rows(n) for n in range(1, 2049)]
+    assert sizes[:16] == list(range(1, 17))
+    assert all(n <= p <= n * 9 / 8 for n, p in zip(range(1, 2049), sizes))
+    assert sizes == sorted(sizes) and len(set(sizes)) == 72
+    assert [packed_rows(n) for n in (17, 18, 33, 1000, 2048)] == [18, 18, 36, 1024, 2048]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_call_of_rounded_rows_gives_the_layers_product(dtype):
+    layer, weight = packed_layer(SMALL_FLOAT32_WEIGHT // 128, 128, True, dtype)
+    for rows in (17, 33, 100):
+        x = torch.randn(rows, 128).to(dtype)
+        y = layer(x)
+        assert y.shape == (rows, layer.out_features)
+        assert torch.allclose(y.float(), F.linear(x, weight, layer.bias).float(), atol=2e-2, rtol=2e-2)

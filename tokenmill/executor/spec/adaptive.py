@@ -122,6 +122,11 @@ EXPLORE_SHARE = 0.01
 OPTIMISTIC_RATE = 0.9
 
 
+# the most a drafting step's added seconds count for, and the calibration's seconds ratio, in
+# times the prediction
+SECONDS_LIMIT = 4.0
+
+
 class Calibration:
     """What the chosen drafts really added to the steps that verified them, against what
     choosing them predicted; the ratios scale the next choices' tokens and seconds.
@@ -157,7 +162,7 @@ class Calibration:
         than its cost without drafts, for no added time."""
         if predicted_seconds <= 0:
             return
-        seconds = min(max(seconds, 0.0), 4 * predicted_seconds)
+        seconds = min(max(seconds, 0.0), SECONDS_LIMIT * predicted_seconds)
         d = self.decay
         if self.sums is None:
             w = self.prior_steps
@@ -184,7 +189,7 @@ class Calibration:
     def _ratios(self) -> None:
         s = self.sums
         self.tokens = min(4.0, max(0.25, s[0] / s[1])) if s[1] > 0 else 1.0
-        self.seconds = min(4.0, max(0.25, s[2] / s[3]))
+        self.seconds = min(SECONDS_LIMIT, max(0.25, s[2] / s[3]))
 
     def __repr__(self) -> str:
         return f"drafts give {self.tokens:.2f}x the tokens predicted, in {self.seconds:.2f}x the seconds"

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from tokenmill.executor.attention import AttentionMetadata, token_slots
-from tokenmill.executor.layers.linear import SMALL_ROWS
+from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.spec.adaptive import StepCost
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ TIMING_ROUNDS = 3  # rounds over the token counts when timing the forwards at st
 def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, context: int = 512,
                       robust: bool = False, catch_up: bool = False, argmax=None, verify: int = 1) -> StepCost:
     """Times decode-shaped forwards (n one-token sequences, logits and argmax for each) at
-    n = 1, 2, 4, ... up to max_tokens and at SMALL_ROWS + 1, the fastest of `repeats` and of
+    n = 1, 2, 4, ... up to max_tokens and where a linear layer changes paths, the fastest of `repeats` and of
     TIMING_ROUNDS - 1 later rounds over all the counts in turn; then 16 of them again over
     `context` tokens each: what attention adds per context token; with `verify` > 1 (the
     target of up to verify - 1 drafts a request), also what a sequence's query beyond its first
@@ -38,11 +38,12 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     counts = [1]
     while counts[-1] * 2 <= min(max_tokens, num_blocks):
         counts.append(counts[-1] * 2)
-    if SMALL_ROWS + 1 <= min(max_tokens, num_blocks):
-        # past SMALL_ROWS rows the linear layers leave small_linear for the packed weights
-        # (layers/linear.py), and the step's time jumps: timed on both sides, a verification
-        # of 9-15 tokens is not priced on the line from 8 to 16, below what it costs
-        counts = sorted({*counts, SMALL_ROWS + 1})
+    # past a layer's small_rows rows it leaves its small-step kernel for the packed weight
+    # (layers/linear.py), and the step's time jumps: timed on both sides, a verification of
+    # 9-15 tokens (float32, 8 rows a layer) is not priced on the line from 8 to 16, below what
+    # it costs. (In bfloat16 each layer has its own: the built-in model's 5, 6, 12 and 17.)
+    changes = {m.small_rows + 1 for m in runner.model.modules() if isinstance(m, Linear) and m.small is not None}
+    counts = sorted({*counts, *(n for n in changes if n <= min(max_tokens, num_blocks))})
     wide = min(16, counts[-1])
     context = max(2, min(context, runner.max_model_len - 1, num_blocks // wide * bs))
     per_seq = -(-context // bs)
