@@ -352,18 +352,20 @@ def _choose_one(rate: float, limit: int, num_tokens: int, cost: StepCost, draft:
     c = rate if later is None else max(rate, later)
     gains = [rate * c ** (j - 1) if later is not None else rate ** j for j in range(1, limit + 1)]
     forward = cost.forward(num_tokens + np.arange(limit + 1)).tolist()  # (one interpolation)
-    catch = 0.0
+    catch_up = catch = 0.0  # the request's whole catch-up, and its share in this step
     if behind is not None and draft is not None and draft.catch_up > 0:
         most_steps = CATCH_UP_STEPS if calibration is not None and calibration.confirmed else DOUBTFUL_CATCH_UP_STEPS
         spread = float(most_steps)
         if remaining is not None:
             spread = min(max(remaining[0] / (1 + sum(gains)), 1.0), most_steps)
-        catch = behind[0] * draft.catch_up / spread
+        catch_up = behind[0] * draft.catch_up
+        catch = catch_up / spread
     per_token = 0.0
     if contexts is not None:
         per_token = (cost.query_attention + (draft.attention if draft is not None else 0.0)) * contexts[0]
-    drafting = []  # the draft's j-th forward's seconds
+    drafting, fixed = [], 0.0  # the draft's j-th forward's seconds, and once a step that drafts
     if draft is not None:
+        fixed = draft.fixed
         first = float(first_rows[0]) if first_rows is not None else 1.0
         one, rows = draft.forward(np.array([first, 1.0])).tolist()
         drafting = [(one if j == 1 else rows) + draft.overhead for j in range(1, limit + 1)]
@@ -376,12 +378,10 @@ def _choose_one(rate: float, limit: int, num_tokens: int, cost: StepCost, draft:
         attention += per_token
         if drafting:
             forwards += drafting[k - 1]
-        seconds = forward[k] + cost.overhead + attention + forwards + (draft.fixed if draft is not None else 0.0)
+        seconds = forward[k] + cost.overhead + attention + forwards + fixed
         k_rate = (1 + more * (expected - 1)) / (base + dearer * (seconds - base) + catch)
         if k_rate > best_rate:
             best, best_rate, chosen = k, k_rate, (expected - 1, seconds - base)
     if calibration is not None:
-        catch_up = behind[0] * draft.catch_up if draft is not None and behind is not None and draft.catch_up > 0 \
-            else 0.0
         calibration.chosen = (*chosen, catch_up) if best else None
     return best

@@ -146,8 +146,8 @@ class Proposer:
         if plain[0] is not cost or plain[1] != num_tokens:  # (an interpolation is 5 us; a batch keeps its size)
             plain = self._plain = (cost, num_tokens, float(cost.forward(num_tokens)))
         x = plain[2]
-        predicted = x + self.cost.overhead
-        self.cost.observe_curve(x, min(seconds, STALL * predicted))
+        predicted = x + cost.overhead
+        cost.observe_curve(x, min(seconds, STALL * predicted))
         self.plain_steps_ago = MEASURE_EVERY if seconds < RECHECK * predicted else 0
 
     def room(self, request: Request, new_tokens: int = 0) -> int:
