@@ -53,8 +53,10 @@ def bench_int8(path: Path, args) -> dict:
             print(f"[int8]   {key}: {t['total']:.2f} s = layers' linears {t['layers']:.2f} + LM head {t['lm_head']:.2f}"
                   f" + the rest {t['rest']:.2f}")
         b, fixed = split["16-bit"], split["16-bit"]["lm_head"] + split["16-bit"]["rest"]
-        print(f"[int8]   bound: {b['total'] / fixed:.2f}x with the layers' linears free; {target}x needs them "
-              f"{b['layers'] / (b['total'] / target - fixed):.1f}x faster than {dtype} (the rest unchanged)")
+        bound = b["total"] / fixed
+        needs = (f"{target}x needs them {b['layers'] / (b['total'] / target - fixed):.1f}x faster than {dtype}"
+                 if bound > target else f"{target}x is out of reach by the linears alone")
+        print(f"[int8]   bound: {bound:.2f}x with the layers' linears free; {needs} (the rest unchanged)")
         out[name] = {"dtype": dtype, **runs, "ratios": ratios, "ratio": ratio, "target": target, "split": split}
         del llms
         gc.collect()

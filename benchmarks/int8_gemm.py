@@ -9,13 +9,14 @@ engine does, and y comes back in x's dtype:
 
     dense       the engine's float layer (layers/linear.py: oneDNN's packed layout) in the engine's
                 dtype (bf16 where the CPU has it, else fp32): the baseline
-    direct      the engine's W8A8 layer with its native kernel (csrc/int8_linear.cpp): fbgemm's
+    direct      the engine's W8A8 layer with its native kernel (csrc/int8_linear.cpp) on fbgemm: fbgemm's
                 packed GEMM called directly, one column part per thread, per-token quantization
                 and rescale in the same op
     fbgemm_op   the same layer through torch's quantized op (the engine without native kernels):
                 rows scaled to the int8 range, then quantized::linear_with_input_q_dq_qweight_dq_output_fp32
-    onednn      torch.ops.onednn.qlinear_pointwise on a prepacked weight (int8 activations,
-                scale 1), then y *= the per-token scales
+    onednn      the engine's W8A8 layer through oneDNN (the path it takes past `onednn_rows` on CPUs
+                with AMX): rows quantized by the native kernels, torch.ops.onednn.qlinear_pointwise
+                on a prepacked weight with scale 1, the float32 output rescaled per row
     int_mm      torch._int_mm (int8 x int8 -> int32), then the two rescales
     fbgemm      quantized::linear_dynamic: fbgemm with its own per-TENSOR activation scale
                 (for reference: coarser than per-token)
@@ -64,22 +65,18 @@ def candidates(w: torch.Tensor, dtype: torch.dtype) -> dict:
         lin = Linear(w.shape[1], w.shape[0], quant_method=method)
         lin.weight.data = w.to(dtype)
         lin.pack()
+        if method is not None and method.onednn:
+            lin.onednn_rows = 1  # every step through oneDNN
         return lin
 
     out = {"dense": layer(None)}
     kernels = load_cpu_kernels()
     if kernels is not None and hasattr(kernels, "int8_linear"):
-        out["direct"] = layer(Int8LinearMethod(kernels))
+        out["direct"] = layer(Int8LinearMethod(kernels, onednn=False))
+        if Int8LinearMethod(kernels, onednn=True).onednn:
+            out["onednn"] = layer(Int8LinearMethod(kernels, onednn=True))
     if "fbgemm" in torch.backends.quantized.supported_engines:
         out["fbgemm_op"] = layer(Int8LinearMethod(None))
-
-    packed = torch.ops.onednn.qlinear_prepack(qw, None)
-    zp = torch.zeros(len(sw), dtype=torch.int64)
-
-    def onednn(x):
-        q, s = quantize_rows(x)
-        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, sw, zp, None, 1.0, 0, torch.float32, "none", [], "")
-        return (y * s).to(x.dtype)
 
     qw_t = qw.t().contiguous()
 
@@ -87,10 +84,10 @@ def candidates(w: torch.Tensor, dtype: torch.dtype) -> dict:
         q, s = quantize_rows(x)
         return (torch._int_mm(q, qw_t).float() * s * sw).to(x.dtype)
 
-    out.update(onednn=onednn, int_mm=int_mm)
+    out["int_mm"] = int_mm
     if "fbgemm" in torch.backends.quantized.supported_engines:
         torch.backends.quantized.engine = "fbgemm"
-        qweight = torch.quantize_per_channel(w, sw.double(), zp, 0, torch.qint8)
+        qweight = torch.quantize_per_channel(w, sw.double(), torch.zeros(len(sw), dtype=torch.int64), 0, torch.qint8)
         fb = torch.ops.quantized.linear_prepack(qweight, None)
         out["fbgemm"] = lambda x: torch.ops.quantized.linear_dynamic(x.float(), fb).to(x.dtype)
     sw_dtype = sw.to(dtype)

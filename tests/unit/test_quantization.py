@@ -29,22 +29,38 @@ def exact_w8a8(x: torch.Tensor, w: torch.Tensor, qmax: int) -> torch.Tensor:
     return ((qx.double() @ qw.double().t()) * sx.double() * sw.double()).float()
 
 
+def int8_method(path: str) -> Int8LinearMethod:
+    """The W8A8 method whose GEMM is `path`'s: fbgemm through the native kernels, oneDNN's (with
+    the native kernels' row quantization) for every step, or torch's quantized op."""
+    method = Int8LinearMethod(None if path == "torch" else load_cpu_kernels(), onednn=path == "onednn")
+    if path != "torch" and not method.native:
+        pytest.skip("no native int8 kernels")
+    if path == "onednn" and not method.onednn:
+        pytest.skip("no oneDNN int8 ops in this torch")
+    return method
+
+
+def packed_layer(method: Int8LinearMethod, w: torch.Tensor, bias: torch.Tensor) -> Linear:
+    layer = Linear(w.shape[1], w.shape[0], bias=True, quant_method=method)
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(bias)
+    layer.pack()
+    if method.onednn:
+        layer.onednn_rows = 1  # every step through oneDNN (by default only larger ones)
+    return layer
+
+
 @pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (5, 96, 200), (7, 512, 1024), (64, 1408, 512)])
-@pytest.mark.parametrize("kernels", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("path", ["fbgemm", "onednn", "torch"])
 @pytest.mark.parametrize("outlier", [1, 20], ids=["plain", "outlier"])
-def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, kernels, outlier):
+def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, path, outlier):
     gen = torch.Generator().manual_seed(rows + k)
     w = torch.randn(n, k, generator=gen) * 0.05
     x = torch.rand(rows, k, generator=gen) * 2 - 1  # uniform: many large values, the hardest case for saturation
     x[:, 3] *= outlier  # an outlier channel, as real activations have
     bias = torch.randn(n, generator=gen)
-    method = Int8LinearMethod(load_cpu_kernels() if kernels else None)
-    if kernels and not method.native:
-        pytest.skip("no native int8 kernels")
-    layer = Linear(k, n, bias=True, quant_method=method)
-    layer.weight.data.copy_(w)
-    layer.bias.data.copy_(bias)
-    layer.pack()
+    method = int8_method(path)
+    layer = packed_layer(method, w, bias)
     assert layer.weight.numel() == 0  # the float copy is gone
     y = layer(x)
     exact = exact_w8a8(x, w, method.qmax) + bias
@@ -57,25 +73,20 @@ def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, kernels, outlier)
     assert (y - ref).norm() / ref.norm() < (0.03 if outlier == 1 else 0.08)
 
 
-def test_native_int8_linear_dtypes_and_shapes():
+@pytest.mark.parametrize("path", ["fbgemm", "onednn"])
+def test_native_int8_linear_dtypes_and_shapes(path):
     """float32, bf16 and fp16 rows in and out, rows with a stride (read in place), more rows
     than fbgemm's row block (120 on AVX2), a width not a multiple of 4, an all-zero row,
-    tiny rows, a bias, and no rows at all; packed with two threads, the columns come in two
-    parts (200 columns: 128 and 72)."""
-    kernels = load_cpu_kernels()
-    if kernels is None or not hasattr(kernels, "int8_linear"):
-        pytest.skip("no native int8 kernels")
+    tiny rows, a bias, and no rows at all; packed with two threads, fbgemm's columns come in
+    two parts (200 columns: 128 and 72); oneDNN's 130 rows are padded to 144 with zero rows."""
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(200, 99, generator=gen) * 0.05
     bias = torch.randn(200, generator=gen)
-    method = Int8LinearMethod(kernels)
-    layer = Linear(99, 200, bias=True, quant_method=method)
-    layer.weight.data.copy_(w)
-    layer.bias.data.copy_(bias)
+    method = int8_method(path)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        layer.pack()
+        layer = packed_layer(method, w, bias)
     finally:
         torch.set_num_threads(threads)
     wide = torch.randn(130, 150, generator=gen)

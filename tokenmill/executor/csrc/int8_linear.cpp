@@ -13,6 +13,7 @@
 #include "vec.h"
 
 #include <memory>
+#include <tuple>
 
 #if defined(__x86_64__) && __has_include(<fbgemm/Fbgemm.h>)
 #include <fbgemm/Fbgemm.h>
@@ -21,24 +22,14 @@
 
 namespace py = pybind11;
 
-#ifdef TOKENMILL_HAS_FBGEMM
 namespace {
 using namespace tokenmill;
-using PackedB = fbgemm::PackBMatrix<int8_t, int32_t>;
-constexpr int64_t kColumnAlign = 64;
 
-// A weight [N, K] int8 with its per-output-channel scales, packed for fbgemm in column parts.
-struct Int8Weight {
-  int64_t in_features = 0, out_features = 0, qmax = 0;
-  std::vector<std::unique_ptr<PackedB>> parts;
-  std::vector<int64_t> starts;
-  std::vector<float> scale;
-  std::vector<int32_t> offset;  // (qmax + 1) * sum_k w[n, k]
-};
-
-template <typename T>
-void quantize_rows(const T* x, int64_t stride, int64_t rows, int64_t dim, float qmax, uint8_t* q, float* scales) {
-  const float zero_point = qmax + 1.f;
+// Each row scaled to [-qmax, qmax] and rounded, plus `zero_point` (qmax + 1 for fbgemm's
+// unsigned form, 0 for oneDNN's signed one); each row's scale into `scales`.
+template <typename T, typename Q>
+void quantize_rows(const T* x, int64_t stride, int64_t rows, int64_t dim, float qmax, float zero_point, Q* q,
+                   float* scales) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(std::is_same_v<T, float> ? 0 : dim);
     for (int64_t r = begin; r < end; ++r) {
@@ -53,13 +44,84 @@ void quantize_rows(const T* x, int64_t stride, int64_t rows, int64_t dim, float 
       // floored so that 1 / scale stays finite for rows of tiny values
       const float scale = amax > 0.f ? std::max(amax / qmax, std::numeric_limits<float>::min()) : 1.f;
       const float inv = 1.f / scale;
-      uint8_t* out = q + r * dim;
+      Q* out = q + r * dim;
 #pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) out[i] = static_cast<uint8_t>(std::nearbyint(row[i] * inv) + zero_point);
+      for (int64_t i = 0; i < dim; ++i) out[i] = static_cast<Q>(std::nearbyint(row[i] * inv) + zero_point);
       scales[r] = scale;
     }
   });
 }
+
+// oneDNN's int8 GEMM (torch.ops.onednn.qlinear_pointwise, AMX-INT8 where the CPU has it) takes one
+// activation scale a tensor; per-token scales go around it: the rows are quantized here (signed,
+// to [-qmax, qmax], padded with zero rows to the row count the caller asks, so that oneDNN's cache sees
+// few shapes), the GEMM runs with scale 1, and its float32 output is rescaled per row here.
+std::tuple<torch::Tensor, torch::Tensor> int8_quantize_rows(torch::Tensor x, int64_t padded_rows, int64_t qmax) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int8_quantize_rows: x must be [rows, dim] with contiguous rows");
+  const int64_t rows = x.size(0), dim = x.size(1);
+  TORCH_CHECK(padded_rows >= rows, "int8_quantize_rows: padded_rows must be at least x's rows");
+  TORCH_CHECK(qmax >= 1 && qmax <= 127, "int8_quantize_rows: qmax must be in [1, 127]");
+  auto q = torch::empty({padded_rows, dim}, torch::kInt8);
+  auto scales = torch::empty({rows}, torch::kFloat32);
+  if (padded_rows > rows) q.narrow(0, rows, padded_rows - rows).zero_();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_quantize_rows", [&] {
+    quantize_rows(x.data_ptr<scalar_t>(), x.stride(0), rows, dim, static_cast<float>(qmax), 0.f, q.data_ptr<int8_t>(),
+                  scales.data_ptr<float>());
+  });
+  return {q, scales};
+}
+
+template <typename T>
+void rescale_rows(const float* acc, const float* scales, int64_t rows, int64_t N, const T* bias, T* y) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(N);
+    for (int64_t r = begin; r < end; ++r) {
+      const float rs = scales[r];
+      const float* a = acc + r * N;
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) row[j] = a[j] * rs;
+      if (bias != nullptr) {
+        for (int64_t j = 0; j < N; ++j) row[j] += load(bias, j);
+      }
+      store_row(y + r * N, row.data(), N);
+    }
+  });
+}
+
+// y[r] = acc[r] * scales[r] (+ bias) in `dtype`, for the first len(scales) rows of acc [rows, N] float32.
+torch::Tensor int8_rescale_rows(torch::Tensor acc, torch::Tensor scales, c10::optional<torch::Tensor> bias,
+                                at::ScalarType dtype) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == torch::kFloat32,
+              "int8_rescale_rows: acc must be contiguous float32 [rows, N]");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() <= acc.size(0),
+              "int8_rescale_rows: scales must be contiguous float32, at most one a row of acc");
+  const int64_t rows = scales.numel(), N = acc.size(1);
+  auto y = torch::empty({rows, N}, acc.options().dtype(dtype));
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == dtype && bias->numel() == N,
+                "int8_rescale_rows: bias must be contiguous [N] in the output dtype");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "int8_rescale_rows", [&] {
+    rescale_rows(acc.data_ptr<float>(), scales.data_ptr<float>(), rows, N,
+                 bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+}  // namespace
+
+#ifdef TOKENMILL_HAS_FBGEMM
+namespace {
+using PackedB = fbgemm::PackBMatrix<int8_t, int32_t>;
+constexpr int64_t kColumnAlign = 64;
+
+// A weight [N, K] int8 with its per-output-channel scales, packed for fbgemm in column parts.
+struct Int8Weight {
+  int64_t in_features = 0, out_features = 0, qmax = 0;
+  std::vector<std::unique_ptr<PackedB>> parts;
+  std::vector<int64_t> starts;
+  std::vector<float> scale;
+  std::vector<int32_t> offset;  // (qmax + 1) * sum_k w[n, k]
+};
 
 template <typename T>
 void int8_gemm(const Int8Weight& w, const T* x, int64_t x_stride, int64_t rows, const T* bias, T* y) {
@@ -68,7 +130,8 @@ void int8_gemm(const Int8Weight& w, const T* x, int64_t x_stride, int64_t rows, 
   auto qx = torch::empty({rows, K}, torch::kUInt8);
   auto acc = torch::empty({rows, N}, torch::kInt32);
   std::vector<float> row_scale(rows);
-  quantize_rows(x, x_stride, rows, K, static_cast<float>(w.qmax), qx.data_ptr<uint8_t>(), row_scale.data());
+  const auto qmax = static_cast<float>(w.qmax);
+  quantize_rows(x, x_stride, rows, K, qmax, qmax + 1.f, qx.data_ptr<uint8_t>(), row_scale.data());
   int32_t* C = acc.data_ptr<int32_t>();
   at::parallel_for(0, static_cast<int64_t>(w.parts.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out;
@@ -146,6 +209,12 @@ torch::Tensor int8_linear(torch::Tensor x, const std::shared_ptr<Int8Weight>& w,
 #endif
 
 void bind_int8_linear(py::module& m) {
+  m.def("int8_quantize_rows", &int8_quantize_rows,
+        "(q int8 [padded_rows, dim], scales float32 [rows]): each row of x symmetric to [-qmax, qmax], zero rows after",
+        py::arg("x"), py::arg("padded_rows"), py::arg("qmax"));
+  m.def("int8_rescale_rows", &int8_rescale_rows,
+        "acc[r] * scales[r] (+ bias) in dtype, for the rows that have a scale", py::arg("acc"), py::arg("scales"),
+        py::arg("bias"), py::arg("dtype"));
 #ifdef TOKENMILL_HAS_FBGEMM
   py::class_<Int8Weight, std::shared_ptr<Int8Weight>>(m, "Int8Weight")
       .def_readonly("in_features", &Int8Weight::in_features)

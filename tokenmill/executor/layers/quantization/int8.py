@@ -1,5 +1,6 @@
 """W8A8 INT8 on the CPU: weights int8 per output channel (symmetric), activations int8 per
-token (symmetric, dynamic), the GEMM in fbgemm.
+token (symmetric, dynamic), the GEMM in fbgemm, and in oneDNN for larger steps on CPUs with
+AMX (see ONEDNN_WORK).
 
 The GEMM was picked by measurement (benchmarks/int8_gemm.py, a 2-core AVX2 CPU without
 VNNI): fbgemm ran the engine's shapes 1.3-7.9x faster than the fp32 dense layer, while
@@ -24,6 +25,14 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from tokenmill.executor.layers.linear import packed_rows
+
+# A layer of K x N weights takes oneDNN's int8 GEMM from ONEDNN_WORK / (K N) rows on (at least
+# 17, at most 128), where both are there: on the 2-core Xeon above, fbgemm won below about 64-100
+# rows at 512 x 1024, 48-64 at 512 x 2816, and 16 or fewer from 2048 x 4096 on.
+ONEDNN_WORK = 64 << 20
+ONEDNN_ROWS = (17, 128)
+
 
 class Int8Config:
     name = "int8"
@@ -47,15 +56,25 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux), or none where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split()[2:])
+    except OSError:
+        return set()
+
+
 def activation_qmax() -> int:
     """The largest activation value: 127 where fbgemm's int8 products accumulate in int32
     (AVX512-VNNI), else 63, so that its int16 pair sums cannot saturate."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return 127 if "avx512_vnni" in flags else 63
+    return 127 if "avx512_vnni" in cpu_flags() else 63
+
+
+def onednn_rows(in_features: int, out_features: int) -> int:
+    """The rows from which a layer of this shape takes oneDNN's int8 GEMM (see ONEDNN_WORK)."""
+    low, high = ONEDNN_ROWS
+    return max(low, min(high, ONEDNN_WORK // (in_features * out_features)))
 
 
 def scale_rows(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,13 +89,20 @@ class Int8LinearMethod:
     for fbgemm and the 16-bit copy is dropped. The bias stays in the layer's dtype and is
     added after the rescale."""
 
-    def __init__(self, kernels: ModuleType | None, qmax: int | None = None) -> None:
+    def __init__(self, kernels: ModuleType | None, qmax: int | None = None, onednn: bool | None = None) -> None:
+        """`onednn`: whether layers also take oneDNN's GEMM for larger steps; by default where
+        the CPU has AMX-INT8 (with the native kernels, which quantize the rows for it)."""
         self.kernels = kernels
         self.native = kernels is not None and hasattr(kernels, "int8_linear")  # else torch's quantized op
         self.qmax = qmax or activation_qmax()
+        if onednn is None:
+            onednn = self.native and "amx_int8" in cpu_flags()
+        self.onednn = onednn and self.native and hasattr(torch.ops.onednn, "qlinear_prepack")
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.packed_int8 = None  # the native kernels' Int8Weight, else torch's fbgemm packing
+        layer.onednn_int8 = None  # (oneDNN's packed weight, its scales, zero points), where it is used
+        layer.onednn_rows = 0  # the rows from which a step takes it
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scale = quantize_per_channel(layer.weight.detach())
@@ -87,6 +113,11 @@ class Int8LinearMethod:
         layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
         if self.native:
             layer.packed_int8 = self.kernels.int8_pack(qweight, scale, self.qmax)
+            if self.onednn:
+                scale = scale.float().contiguous()
+                layer.onednn_int8 = (torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None), scale,
+                                     torch.zeros(len(scale), dtype=torch.int64))
+                layer.onednn_rows = onednn_rows(qweight.shape[1], qweight.shape[0])
             return
         torch.backends.quantized.engine = "fbgemm"
         zero_points = torch.zeros(len(scale), dtype=torch.int64)
@@ -97,7 +128,11 @@ class Int8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return self.kernels.int8_linear(x if x.stride(-1) == 1 else x.contiguous(), layer.packed_int8, layer.bias)
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            if (layer.onednn_int8 is not None and x.dim() == 2 and len(x) >= layer.onednn_rows
+                    and x.shape[1] == layer.in_features):  # (a wrong width gets int8_linear's error)
+                return self._onednn(layer, x)
+            return self.kernels.int8_linear(x, layer.packed_int8, layer.bias)
         scaled, row_scale = scale_rows(x, self.qmax)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(scaled, 1.0, self.qmax + 1,
                                                                               layer.packed_int8)
@@ -105,3 +140,10 @@ class Int8LinearMethod:
         if layer.bias is not None:
             y = y.add_(layer.bias)
         return y.to(x.dtype)
+
+    def _onednn(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight, scale, zero_points = layer.onednn_int8
+        q, row_scale = self.kernels.int8_quantize_rows(x, packed_rows(len(x)), self.qmax)
+        acc = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, weight, scale, zero_points, None, 1.0, 0, torch.float32,
+                                                 "none", [], "")
+        return self.kernels.int8_rescale_rows(acc, row_scale, layer.bias, x.dtype)
