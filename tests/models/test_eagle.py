@@ -139,6 +139,33 @@ def test_greedy_outputs_equal_decoding_without_drafts(eagle, plain):
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_a_long_rest_keeps_no_pairs_and_the_runner_skips_the_head(plain, monkeypatch):
+    """After MAX_LOGGED_REST logged resting steps since the head last drafted, a resting decode
+    step keeps no pairs and the runner does not call the head (EagleProposer.idle). When the
+    requests draft again, after a rest of 31 steps, the head's cache lacks those positions:
+    their drafts are worse, not wrong, and greedy outputs equal decoding without drafts."""
+    from tokenmill.executor.spec import draft as drafter
+    from tokenmill.executor.spec import eagle as eagle_module
+    from tokenmill.executor.spec.eagle import EagleProposer
+
+    monkeypatch.setattr(eagle_module, "MAX_LOGGED_REST", 4)
+    calls = itertools.count()  # asks: drafts at the first and the seventh (rests of 1, 2, ..., 16 between)
+    monkeypatch.setattr(drafter, "choose_num_drafts", lambda rates, limits, *a, **kw:
+                        list(limits) if next(calls) in (0, 6) else [0] * len(limits))
+    logged, idle = [], []
+    log_rest, was_idle = EagleProposer._log_rest, EagleProposer.idle
+    monkeypatch.setattr(EagleProposer, "_log_rest", lambda self, *a: logged.append(self.rested) or log_rest(self, *a))
+    monkeypatch.setattr(EagleProposer, "idle", lambda self, *a: idle.append(was_idle(self, *a)) or idle[-1])
+    monkeypatch.setattr(EagleProposer, "explore", lambda self, *a, **kw: None)  # (the asks above decide)
+    eagle = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={**SPEC, "adaptive": True})
+    params = [SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    assert completions(run(eagle, params)) == completions(run(plain, params))
+    assert next(calls) > 7  # it drafted after the long rest, and asked again
+    assert sum(idle) > 20 and max(logged) < 4  # idle steps, and at most 4 logged since each drafting step
+    drafted = eagle.engine.stats()["spec_decode_num_steps_by_k"]
+    assert sum(drafted[1:]) > 0 and drafted[0] > 60
+
+
 def test_bad_heads_are_refused_naming_the_key(tmp_path):
     """A head whose hidden size is not the target's, one that is not a checkpoint, and an
     EAGLE head asked for a model without a built-in one: errors name speculative_config.model."""

@@ -222,8 +222,8 @@ def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
 
 def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, monkeypatch):
     """When no draft pays, adaptive speculation rests for 1, 2, 4, ... steps, and in a resting
-    step the draft does nothing at all: its requests fall behind and catch up when they next
-    draft. The target as its own draft, with drafts said to pay at every third choice: the
+    step the draft does nothing at all (the runner does not call it): its requests fall behind
+    and catch up when they next draft. The target as its own draft, with drafts said to pay at every third choice: the
     outputs are those without drafts, and every draft made is accepted (float32), which holds
     only if each catch-up covers every token of the rest before it."""
     import tokenmill.executor.spec.draft as draft_module
@@ -240,14 +240,15 @@ def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, mo
     drafter = llm.engine.runner.drafter
     params = [SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)] * len(PROMPTS)
     choices_before_resting = []
-    skip = drafter._run
+    idle = drafter.idle
 
-    def counted(out, sampled, hidden):
-        if drafter.resting > 0 and sampled:
+    def counted(out, num_sampling):  # the runner asks before the drafter's step; a resting one skips it
+        resting = idle(out, num_sampling)
+        if resting:
             choices_before_resting.append(len(calls))
-        return skip(out, sampled, hidden)
+        return resting
 
-    monkeypatch.setattr(drafter, "_run", counted)
+    monkeypatch.setattr(drafter, "idle", counted)
     assert completions(run(llm, params)) == completions(run(engines[0], params))
     stats = llm.engine.stats()
     drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]

@@ -282,7 +282,7 @@ class ModelRunner(CacheOwner):
         if self.async_scheduling and not spec:  # the next step may read these ids before they are on the host
             self._last_ids = pending.ids
             self._last_rows = {r.request_id: j for j, r in enumerate(sampling)}
-        if not spec and self.drafter is None:
+        if not spec and (self.drafter is None or self.drafter.idle(out, len(logits_rows))):
             return LaunchedStep(None, pending, prompt_logprobs)
         tokens = pending.tokens()
         if spec:

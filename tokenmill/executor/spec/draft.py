@@ -214,6 +214,21 @@ class DraftModel(Proposer, CacheOwner):
             self.draft_cost.observe_curve(curve, self.forward_seconds / len(self.forwards))
             self.draft_cost.observe_fixed(self.seconds - self.forward_seconds - self.catch_up_seconds)
 
+    def idle(self, out: SchedulerOutput, num_sampling: int) -> bool:
+        """Whether the step's drafting does nothing at all, so that the runner need not call
+        `run`: a step that rests (see `_choose`) with nothing to release. It is counted as one
+        of the rest's steps here."""
+        if out.preempted or not self._rests(num_sampling):
+            return False
+        self._rest_step()
+        return True
+
+    def _rest_step(self) -> None:
+        """A resting step's bookkeeping without `run`: no drafting time, and the drafts' cost fades."""
+        self.forwards, self.drafting_since = [], None
+        self.seconds = self.forward_seconds = self.catch_up_seconds = 0.0
+        self.draft_cost.fade()
+
     def drafting(self) -> None:
         """Marks where the step's drafting begins in `_run`: once the drafts are chosen."""
         self.drafting_since = time.perf_counter()
