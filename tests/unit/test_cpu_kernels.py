@@ -203,8 +203,8 @@ def test_bfloat16_linear_runs_small_steps_through_small_linear_bf16(small_linear
     from tokenmill.executor.layers.linear import SMALL_BFLOAT16_WEIGHT, Linear, small_bfloat16_rows
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN: layers stay plain")
-    assert small_bfloat16_rows(128 * 64) == 16 and small_bfloat16_rows(1408 * 256) == 5
-    assert small_bfloat16_rows(8192 * 256) == 4
+    assert small_bfloat16_rows(128 * 64) == 16 and small_bfloat16_rows(1408 * 256) == 9
+    assert small_bfloat16_rows(8192 * 256) == 5 and small_bfloat16_rows(SMALL_BFLOAT16_WEIGHT - 1) == 4
     g = torch.Generator().manual_seed(3)
     layer = Linear(64, {"a": 48, "b": 80}, bias=True).bfloat16()
     w, b = torch.randn(128, 64, generator=g).bfloat16(), torch.randn(128, generator=g).bfloat16()

@@ -32,11 +32,15 @@ PLAIN_ROWS = 4
 
 
 # bfloat16 weights with fewer elements than this (8 MB), with the CPU kernels' small_linear_bf16
-# (AVX512-BF16), keep a copy laid out by pack_bf16_pairs for steps of up to 4 rows, and of up to
-# 16 while rows x elements stay within SMALL_BFLOAT16_WORK: oneDNN's packed call (AMX where the
-# CPU has it) costs 20-30 us at least, flat in the rows, while the kernel's dot products grow with
-# them (benchmarks/linear_layout.py). Larger weights gain little (12% at one row of 2048 x 11264)
-# for a second copy of many megabytes.
+# (AVX512-BF16), keep a copy laid out by pack_bf16_pairs for steps of up to 4 rows, and 4 more
+# for each SMALL_BFLOAT16_WORK elements fewer, up to 16: oneDNN's packed call (AMX where the CPU
+# has it) costs 20-30 us at least alone, flat in the rows, while the kernel's dot products grow
+# with them (benchmarks/linear_layout.py). In the engine, after attention, oneDNN's call cost
+# more: 75 us for 6 rows of the built-in model's 256 x 1408 gate_up, against 30 us through the
+# kernel, which stayed ahead up to about 12 rows. With up to `SMALL_BFLOAT16_WORK // elements`
+# rows (5 for that gate_up) the built-in model decoded 8 requests at 2,511 tok/s; with 4 more
+# (9), at 2,890 (1.16x, a 2-core Xeon, interleaved turns); 1.02x at 16 and 1 request. Larger
+# weights gain little (12% at one row of 2048 x 11264) for a second copy of many megabytes.
 SMALL_BFLOAT16_WEIGHT = 1 << 22
 SMALL_BFLOAT16_WORK = 1 << 21
 
@@ -59,7 +63,7 @@ def packed_rows(rows: int) -> int:
 
 def small_bfloat16_rows(numel: int) -> int:
     """The most rows a bfloat16 weight of `numel` elements runs through small_linear_bf16."""
-    return max(4, min(16, SMALL_BFLOAT16_WORK // max(1, numel)))
+    return min(16, 4 + SMALL_BFLOAT16_WORK // max(1, numel))
 
 
 def pack_bf16_pairs(w: torch.Tensor) -> torch.Tensor:
