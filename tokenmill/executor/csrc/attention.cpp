@@ -11,10 +11,15 @@
 //
 // Where the build has AVX2 (+ FMA, F16C) and head_dim is a multiple of 16, every cache dtype
 // goes to decode_attention_avx2.cpp instead; decode_attention below is the portable loop.
-// bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes a faster path still
-// (decode_attention_bf16): q.k and p.v by vdpbf16ps (bf16 products, float32 sums), 16
-// scores reduced at once, the output accumulated in registers. As in PyTorch's CPU
-// flash attention, the probabilities are rounded to bfloat16 before p.v.
+// bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes another path where the
+// step's K and V are at most kBf16DecodeMaxBytes (decode_attention_bf16): q.k and p.v by
+// vdpbf16ps (bf16 products, float32 sums), 16 scores reduced at once, the output accumulated
+// in registers. As in PyTorch's CPU flash attention, the probabilities are rounded to
+// bfloat16 before p.v. It does not prefetch: on a 2-core Xeon (2 MB of L2 a core,
+// benchmarks/kv_cache_attention.py, 32 requests) it was 1.03-1.30x the AVX2 kernel's speed
+// up to 8.4 MB of K and V a step (the built-in model's shape to 512 tokens, 32 heads of 8 kv
+// heads at d 128 to 64) and 0.44-0.88x from 16.8 MB on (0.44x at the latter shape and 1,024
+// tokens: 24.4 ms against 10.7).
 #include "vec.h"
 
 #include <atomic>
@@ -29,6 +34,8 @@ bool paged_decode_attention_avx2(torch::Tensor& out, const torch::Tensor& q, con
 
 namespace {
 using namespace tokenmill;
+
+constexpr int64_t kBf16DecodeMaxBytes = 12 << 20;  // see decode_attention_bf16 above
 
 bool is_8bit(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
@@ -251,7 +258,16 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     return;
   }
 #if defined(__AVX512BF16__)
-  if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
+  // the K and V bytes of the whole step: past kBf16DecodeMaxBytes the AVX2 kernel, which
+  // prefetches the rows and keeps p.v's chunks in L1, is the faster one
+  const auto context_bytes = [](const torch::Tensor& lens, int64_t row_bytes) {
+    const int32_t* l = lens.data_ptr<int32_t>();
+    int64_t tokens = 0;
+    for (int64_t i = 0; i < lens.numel(); ++i) tokens += l[i];
+    return tokens * row_bytes;
+  };
+  if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128) &&
+      context_bytes(seq_lens, num_kv_heads * head_dim * 2 * 2) <= kBf16DecodeMaxBytes) {
     const int64_t group = num_heads / num_kv_heads;
     // G query heads of a group share each V row: as many as fit in registers (8 accumulators per head at d 128)
     auto run = head_dim == 64 ? (group % 4 == 0   ? decode_attention_bf16<64, 4>
