@@ -11,15 +11,16 @@
 //
 // Where the build has AVX2 (+ FMA, F16C) and head_dim is a multiple of 16, every cache dtype
 // goes to decode_attention_avx2.cpp instead; decode_attention below is the portable loop.
-// bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes another path where the
-// step's K and V are at most kBf16DecodeMaxBytes (decode_attention_bf16): q.k and p.v by
-// vdpbf16ps (bf16 products, float32 sums), 16 scores reduced at once, the output accumulated
-// in registers. As in PyTorch's CPU flash attention, the probabilities are rounded to
-// bfloat16 before p.v. It does not prefetch: on a 2-core Xeon (2 MB of L2 a core,
-// benchmarks/kv_cache_attention.py, 32 requests) it was 1.03-1.30x the AVX2 kernel's speed
-// up to 8.4 MB of K and V a step (the built-in model's shape to 512 tokens, 32 heads of 8 kv
-// heads at d 128 to 64) and 0.44-0.88x from 16.8 MB on (0.44x at the latter shape and 1,024
-// tokens: 24.4 ms against 10.7).
+// bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes a faster path still
+// (decode_attention_bf16): q.k and p.v by vdpbf16ps (bf16 products, float32 sums), 16
+// scores reduced at once, the output accumulated in registers. As in PyTorch's CPU flash
+// attention, the probabilities are rounded to bfloat16 before p.v. Its K rows are read once
+// for all the heads of a GQA group (a 16-token chunk stays in L1 while each head's scores
+// are taken) and the rows are prefetched into L2. Before (each head swept the whole context
+// for its scores, nothing prefetched) it was 0.44-0.88x the AVX2 kernel's speed past 16 MB
+// of K and V a step on a 2-core Xeon (32 requests of an 8B-like shape at 1,024 tokens: 24.4
+// ms against 10.7); now 1.02-1.38x at every size measured
+// (benchmarks/kv_cache_attention.py, contexts 64 to 4,096, both shapes).
 #include "vec.h"
 
 #include <atomic>
@@ -34,8 +35,6 @@ bool paged_decode_attention_avx2(torch::Tensor& out, const torch::Tensor& q, con
 
 namespace {
 using namespace tokenmill;
-
-constexpr int64_t kBf16DecodeMaxBytes = 12 << 20;  // see decode_attention_bf16 above
 
 bool is_8bit(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
@@ -129,6 +128,12 @@ inline __m512 hsum16(const __m512* a) {
                        _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// rows are fetched this many tokens ahead of their use, into L2
+constexpr int64_t kBf16Ahead = 32;
+inline void prefetch_bf16_row(const c10::BFloat16* p, int64_t D) {
+  for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+}
+
 template <int D, int G>
 void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
                            const c10::BFloat16* v_cache,
@@ -141,52 +146,59 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
   std::atomic<int64_t> next_job{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<int64_t> rows;  // element offset of each context token's slot
-    std::vector<float> scores;  // [G][token], rows padded to a multiple of 32
-    std::vector<uint32_t> probs;  // [G][token pair]: two bf16 probabilities per 32 bits
+    std::vector<float> scores;  // [group][token], rows padded to a multiple of 32
+    std::vector<uint32_t> probs;  // [group][token pair]: two bf16 probabilities per 32 bits
     for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
       const int64_t len = seq_lens[r];
       const int64_t padded = (len + 32) / 32 * 32;
-      slot_rows(rows, block_table + r * max_blocks, len, padded + 1, block_size, slot_stride);
-      scores.resize(G * padded);
-      probs.resize(G * padded / 2);
+      slot_rows(rows, block_table + r * max_blocks, len, padded + 1 + kBf16Ahead, block_size, slot_stride);
+      scores.resize(group * padded);
+      probs.resize(group * padded / 2);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const c10::BFloat16* kh = k_cache + h * D;
         const c10::BFloat16* vh = v_cache + h * D;
-        for (int64_t head0 = h * group; head0 < (h + 1) * group; head0 += G) {
-          for (int g = 0; g < G; ++g) {
-            // scores = (q . k) * scale, 16 tokens at a time
+        // scores = (q . k) * scale for every head of the group, 16 tokens at a time: the
+        // chunk's K rows are read from memory once and stay in L1 for the other heads
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+          for (int i = 0; i < 16; ++i) prefetch_bf16_row(kh + rows[t0 + kBf16Ahead + i], D);
+          for (int64_t g = 0; g < group; ++g) {
             __m512bh qv[C];
-            for (int c = 0; c < C; ++c) qv[c] = load_bh(q + r * q_stride + (head0 + g) * D + 32 * c);
-            float* s = scores.data() + g * padded;
-            for (int64_t t0 = 0; t0 < len; t0 += 16) {
-              __m512 dots[16];  // past len: rows repeats the last token, its scores are dropped
-              for (int i = 0; i < 16; ++i) {
-                const c10::BFloat16* k = kh + rows[t0 + i];
-                dots[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bh(k));
-                for (int c = 1; c < C; ++c) dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], load_bh(k + 32 * c));
-              }
-              _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
+            for (int c = 0; c < C; ++c) qv[c] = load_bh(q + r * q_stride + (h * group + g) * D + 32 * c);
+            __m512 dots[16];  // past len: rows repeats the last token, its scores are dropped
+            for (int i = 0; i < 16; ++i) {
+              const c10::BFloat16* k = kh + rows[t0 + i];
+              dots[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bh(k));
+              for (int c = 1; c < C; ++c) dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], load_bh(k + 32 * c));
             }
-            softmax_inplace(s, len);
-            for (int64_t t = len; t < padded; ++t) s[t] = 0.f;
-            // to bf16, two per 32 bits: pair j holds tokens 2j (low half) and 2j + 1
-            uint32_t* pg = probs.data() + g * padded / 2;
-            for (int64_t t = 0; t < padded; t += 32) {
-              const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
-              _mm512_storeu_si512(pg + t / 2, (__m512i)b);
-            }
+            _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
           }
-          // out = p . v over pairs of tokens: the two V rows interleaved, so each 32-bit
-          // lane of vdpbf16ps is p[t] v[t][d] + p[t+1] v[t+1][d]; the G heads share the rows
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * padded;
+          softmax_inplace(s, len);
+          for (int64_t t = len; t < padded; ++t) s[t] = 0.f;
+          // to bf16, two per 32 bits: pair j holds tokens 2j (low half) and 2j + 1
+          uint32_t* pg = probs.data() + g * padded / 2;
+          for (int64_t t = 0; t < padded; t += 32) {
+            const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
+            _mm512_storeu_si512(pg + t / 2, (__m512i)b);
+          }
+        }
+        // out = p . v over pairs of tokens: the two V rows interleaved, so each 32-bit
+        // lane of vdpbf16ps is p[t] v[t][d] + p[t+1] v[t+1][d]; G heads at a time share the rows
+        for (int64_t head0 = h * group; head0 < (h + 1) * group; head0 += G) {
+          const uint32_t* pb = probs.data() + (head0 - h * group) * padded / 2;
           __m512 lo[G][C], hi[G][C];
           for (int g = 0; g < G; ++g)
             for (int c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
           for (int64_t t = 0; t < len; t += 2) {
             const c10::BFloat16* v0 = vh + rows[t];
             const c10::BFloat16* v1 = vh + rows[t + 1];
+            prefetch_bf16_row(vh + rows[t + kBf16Ahead], D);
+            prefetch_bf16_row(vh + rows[t + 1 + kBf16Ahead], D);
             __m512bh p[G];
             for (int g = 0; g < G; ++g)
-              p[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs[g * padded / 2 + t / 2]));
+              p[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[g * padded / 2 + t / 2]));
             for (int c = 0; c < C; ++c) {
               __m512bh xl, xh;
               unpack_pairs(v0 + 32 * c, v1 + 32 * c, xl, xh);
@@ -258,16 +270,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     return;
   }
 #if defined(__AVX512BF16__)
-  // the K and V bytes of the whole step: past kBf16DecodeMaxBytes the AVX2 kernel, which
-  // prefetches the rows and keeps p.v's chunks in L1, is the faster one
-  const auto context_bytes = [](const torch::Tensor& lens, int64_t row_bytes) {
-    const int32_t* l = lens.data_ptr<int32_t>();
-    int64_t tokens = 0;
-    for (int64_t i = 0; i < lens.numel(); ++i) tokens += l[i];
-    return tokens * row_bytes;
-  };
-  if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128) &&
-      context_bytes(seq_lens, num_kv_heads * head_dim * 2 * 2) <= kBf16DecodeMaxBytes) {
+  if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
     const int64_t group = num_heads / num_kv_heads;
     // G query heads of a group share each V row: as many as fit in registers (8 accumulators per head at d 128)
     auto run = head_dim == 64 ? (group % 4 == 0   ? decode_attention_bf16<64, 4>
