@@ -205,12 +205,12 @@ def main() -> None:
     if args.self_baseline and args.turn:
         parser.error("--self-baseline: needs --turn 0 (an engine's runs with speculation on and off cannot interleave)")
     if args.no_drafts:
-        from tokenmill.executor.spec import draft, ngram
+        from tokenmill.executor.spec import ngram, rests
 
         def no_drafts(rates, *_, **__):
             return [0] * len(rates)
 
-        draft.choose_num_drafts = ngram.choose_num_drafts = no_drafts
+        rests.choose_num_drafts = ngram.choose_num_drafts = no_drafts
     if args.draft_model:
         for name in ("draft", "draft-fixed"):
             METHODS[name] = {**METHODS[name], "model": args.draft_model}

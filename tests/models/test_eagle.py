@@ -68,7 +68,7 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits
     off-by-one in pairing tokens with hidden states, or a lost chunk, changes most)."""
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.executor.spec import draft as drafter
+    from tokenmill.executor.spec import rests as drafter
     from tokenmill.executor.spec.eagle import EagleProposer
 
     if waits:
@@ -145,8 +145,8 @@ def test_a_long_rest_keeps_no_pairs_and_the_runner_skips_the_head(plain, monkeyp
     (EagleProposer.idle). When the
     requests draft again, after a rest of 31 steps, the head's cache lacks those positions:
     their drafts are worse, not wrong, and greedy outputs equal decoding without drafts."""
-    from tokenmill.executor.spec import draft as drafter
     from tokenmill.executor.spec import eagle as eagle_module
+    from tokenmill.executor.spec import rests as drafter
     from tokenmill.executor.spec.eagle import EagleProposer
 
     monkeypatch.setattr(eagle_module, "MAX_LOGGED_REST", 4)
@@ -155,8 +155,12 @@ def test_a_long_rest_keeps_no_pairs_and_the_runner_skips_the_head(plain, monkeyp
                         list(limits) if next(calls) in (0, 6) else [0] * len(limits))
     logged, idle = [], []
     log_rest, was_idle = EagleProposer._log_rest, EagleProposer.idle
-    monkeypatch.setattr(EagleProposer, "_log_rest",
-                        lambda self, out, *a: logged.append((self.rested, len(out.requests))) or log_rest(self, out, *a))
+
+    def logging(self, out, *args):  # (rested steps before it, the batch)
+        logged.append((self.rested, len(out.requests)))
+        return log_rest(self, out, *args)
+
+    monkeypatch.setattr(EagleProposer, "_log_rest", logging)
     monkeypatch.setattr(EagleProposer, "idle", lambda self, *a: idle.append(was_idle(self, *a)) or idle[-1])
     monkeypatch.setattr(EagleProposer, "explore", lambda self, *a, **kw: None)  # (the asks above decide)
     eagle = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={**SPEC, "adaptive": True})

@@ -226,7 +226,7 @@ def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, mo
     and catch up when they next draft. The target as its own draft, with drafts said to pay at every third choice: the
     outputs are those without drafts, and every draft made is accepted (float32), which holds
     only if each catch-up covers every token of the rest before it."""
-    import tokenmill.executor.spec.draft as draft_module
+    import tokenmill.executor.spec.rests as draft_module
 
     calls = []
 

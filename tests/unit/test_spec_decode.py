@@ -390,7 +390,8 @@ def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
     batch half the size asks again at once; an answer of yes ends the rests."""
     from types import SimpleNamespace
 
-    from tokenmill.executor.spec.draft import MAX_REST, DraftModel
+    from tokenmill.executor.spec.draft import DraftModel
+    from tokenmill.executor.spec.rests import MAX_REST
 
     steep = StepCost([1, 1024], [0.001, 1.024])  # a draft costs a token's time: none pays at 0.3
     drafter = SimpleNamespace(choosing=True, resting=0, rest_length=0, rest_batch=0, prior=0.3, later=0.3, cost=steep,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,8 +38,9 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.loader import load_model
-from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts, continuation
+from tokenmill.executor.spec.adaptive import StepCost, acceptance, continuation
 from tokenmill.executor.spec.proposer import FADE, Proposer, can_speculate
+from tokenmill.executor.spec.rests import DraftChoice
 from tokenmill.executor.spec.timing import measure_step_cost
 from tokenmill.executor.spec.vocab import DraftVocab, load_token_map
 
@@ -49,19 +50,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill")
 
 
-EXPLORE_EVIDENCE = 32  # verified drafts (accepted ones and rejecting steps) before drafts are chosen
-# steps without drafts, without asking (see DraftModel._choose): an ask costs 0.3-0.5 ms on a
-# 2-core CPU (the choice, and for an EAGLE head its waiting pairs handed out), 4% of a step of 4
-# requests asked every 16 steps; up to 64, an EAGLE engine at 4 requests whose drafts did not
-# pay ran at 0.950x of no speculation against 0.936x (4 of 6 rounds ahead)
-MAX_REST = 64
 CATCH_UP_ROWS = 32  # a forward of at least this many catch-up rows times a catch-up token
 BUILT_IN_TOKEN_MAP = "token_map.json"  # beside each built-in drafter: its default token map
 
 
-class DraftModel(Proposer, CacheOwner):
+class DraftModel(DraftChoice, Proposer, CacheOwner):
     """The draft model, its KV cache and the drafts it made this step (handed to the
-    requests by `propose`, after the scheduler has taken the step's tokens)."""
+    requests by `propose`, after the scheduler has taken the step's tokens); when it drafts,
+    how many, and when it rests are DraftChoice's (executor/spec/rests.py)."""
 
     def __init__(self, runner: ModelRunner, config: SpeculativeConfig, path: Path, model_config: ModelConfig,
                  num_blocks: int, max_num_batched_tokens: int, kernels) -> None:
@@ -129,59 +125,6 @@ class DraftModel(Proposer, CacheOwner):
             return self.vocab.argmax(self.sampler, hidden)
         return self.sampler._argmax(self.model.compute_logits(hidden))
 
-    @property
-    def choosing(self) -> bool:
-        """Adaptive speculation chooses the drafts once the proposer's acceptance is known:
-        until then every request drafts (a draft's worth at the 0.5 prior can be below its
-        cost, and a proposer that never drafts never learns its rate)."""
-        return self.cost is not None and self.evidence >= EXPLORE_EVIDENCE
-
-    def _choose(self, requests: list[Request], limits: list[int], num_tokens: int,
-                inputs: Callable[[], tuple[list[int], list[int], list[int]]]) -> list[int]:
-        """The drafts each candidate request makes this step (choose_num_drafts' arguments;
-        `inputs()` gives its contexts, behind and first_rows); while exploring, all it has
-        room for.
-        When no draft pays, the next steps get none without asking: 1 step, then 2, 4, ... up
-        to MAX_REST while the answer stays no. On this 2-core CPU the choice costs 0.1-0.5 ms
-        of numpy and Python a step, 1.5-4% of a step at 16-64 requests, and while drafts do
-        not pay, the rates and costs change slowly. Half the candidates ask again at once (a
-        smaller batch makes drafts cheaper)."""
-        if not requests:  # a batch without candidates: the next one starts afresh
-            self.resting = self.rest_length = 0
-        if not self.choosing or not requests:
-            return limits
-        if self._rests(len(requests)) or self.measuring:
-            return [0] * len(requests)
-        rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for r in requests]
-        contexts, behind, first_rows = inputs()
-        remaining = [r.max_tokens - r.num_output_tokens for r in requests]
-
-        def choose(rates: list[float], calibration: Calibration | None = None) -> list[int]:
-            return choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
-                                     remaining, first_rows, calibration, self.later)
-
-        # an exploration's catch-up prices, only where one is due (this runs every step that asks)
-        catch_up, step = ([late * self.draft_cost.catch_up for late in behind], self.cost(num_tokens)) \
-            if self.exploring and self.draft_cost is not None else (None, 0.0)
-        if (ks := self.explore(rates, limits, choose, catch_up, step)) is not None:
-            self.rest_length = self.resting = 0
-            return ks
-        ks = self.chose(choose(rates, self.calibration))
-        if any(ks):
-            self.rest_length = self.resting = 0
-        else:
-            self.rest_length = min(MAX_REST, 2 * self.rest_length or 1)
-            self.resting, self.rest_batch = self.rest_length, len(requests)
-        return ks
-
-    def _rests(self, candidates: int) -> bool:
-        """Whether this step rests (see `_choose`), counted as one of the rest's steps; a
-        batch of `candidates` half the size of the one the rest began with asks again."""
-        if self.resting > 0 and 2 * candidates > self.rest_batch and not self.exploring:
-            self.resting -= 1
-            return True
-        return False
-
     @staticmethod
     def load(runner: ModelRunner, path: Path, model_config: ModelConfig, kernels):
         return load_model(path, model_config, "auto", runner.dtype, runner.device,
@@ -198,8 +141,7 @@ class DraftModel(Proposer, CacheOwner):
         """Drafts for the step's sampling requests, from the tokens they have once `sampled`
         (per sampling request, in order: the accepted drafts and the target's next token).
         `hidden`: the target's hidden states of the step's tokens (what an EAGLE head reads)."""
-        self.forwards, self.drafting_since = [], None
-        self.seconds = self.forward_seconds = self.catch_up_seconds = 0.0
+        self._new_step()
         self._run(out, sampled, hidden)
         if self.drafting_since is not None:
             self.seconds = time.perf_counter() - self.drafting_since
@@ -214,20 +156,10 @@ class DraftModel(Proposer, CacheOwner):
             self.draft_cost.observe_curve(curve, self.forward_seconds / len(self.forwards))
             self.draft_cost.observe_fixed(self.seconds - self.forward_seconds - self.catch_up_seconds)
 
-    def idle(self, out: SchedulerOutput, num_sampling: int) -> bool:
-        """Whether the step's drafting does nothing at all, so that the runner need not call
-        `run`: a step that rests (see `_choose`) with nothing to release. It is counted as one
-        of the rest's steps here."""
-        if out.preempted or not self._rests(num_sampling):
-            return False
-        self._rest_step()
-        return True
-
-    def _rest_step(self) -> None:
-        """A resting step's bookkeeping without `run`: no drafting time, and the drafts' cost fades."""
+    def _new_step(self) -> None:
+        """The step's drafting time and forwards start from none."""
         self.forwards, self.drafting_since = [], None
         self.seconds = self.forward_seconds = self.catch_up_seconds = 0.0
-        self.draft_cost.fade()
 
     def drafting(self) -> None:
         """Marks where the step's drafting begins in `_run`: once the drafts are chosen."""

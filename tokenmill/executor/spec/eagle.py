@@ -105,7 +105,7 @@ class EagleProposer(DraftModel):
             self.release(request.request_id)
         if hidden is None:
             return
-        # a resting step (see DraftModel._choose) keeps every pair and asks nothing: its sampling
+        # a resting step (see DraftChoice._choose) keeps every pair and asks nothing: its sampling
         # requests stand for the candidates, whose rooms and waiting pairs are not looked at
         resting = self._rests(len(sampled))
         if resting and len(hidden) == len(out.requests):  # one token each (a full batch's usual step)

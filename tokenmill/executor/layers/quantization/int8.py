@@ -20,6 +20,7 @@ AVX512-VNNI the sums are int32 and activations keep 8 bits.
 from __future__ import annotations
 
 import warnings
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -56,13 +57,15 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux), or none where they cannot be read."""
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux), or none where they cannot be read; read once (every
+    int8 layer's method asks)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split()[2:])
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
     except OSError:
-        return set()
+        return frozenset()
 
 
 def activation_qmax() -> int:
