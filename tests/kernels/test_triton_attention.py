@@ -16,6 +16,7 @@ from tokenmill.executor.attention.kv_cache import KVCache
 triton_attention = pytest.importorskip("tokenmill.executor.attention.triton",
                                        reason="Triton is not installed (x86-64 Linux test dependency)")
 TritonBackend = triton_attention.TritonBackend
+from tokenmill.executor.attention import triton_kv_write  # noqa: E402  (after the skip: it needs Triton)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -102,7 +103,7 @@ def test_quantized_write_matches_quantize_rows():
     k_cache, v_cache, k_scales, v_scales = cache.layer(0)
     k = k.to(DEVICE)
     slots = torch.tensor([3, 9, 20, -1], device=DEVICE)
-    triton_attention._write_kv[(4, 2)](k, -k, k_cache, v_cache, k_scales, v_scales, slots, k.stride(0), k.stride(1),
+    triton_kv_write.write_kv[(4, 2)](k, -k, k_cache, v_cache, k_scales, v_scales, slots, k.stride(0), k.stride(1),
                                        k.stride(0), k.stride(1), k_cache.stride(0), k_cache.stride(1),
                                        HEAD_DIM=16, D_PAD=16, QMAX=127.0, ROUND=True)
     want, want_scale = quantize_rows(k[:3].cpu(), torch.int8)
@@ -118,7 +119,7 @@ def test_padding_tokens_are_not_written():
     backend = TritonBackend(KVCache(cache), 16, 2)
     k = torch.ones(3, 2, 16, device=DEVICE)
     slots = torch.tensor([5, -1, 7], device=DEVICE)
-    triton_attention._write_kv[(3, 2)](k, k * 2, cache[0, 0], cache[0, 1], cache[0, 0], cache[0, 1], slots,
+    triton_kv_write.write_kv[(3, 2)](k, k * 2, cache[0, 0], cache[0, 1], cache[0, 0], cache[0, 1], slots,
                                        k.stride(0), k.stride(1),
                                        k.stride(0), k.stride(1), cache[0, 0].stride(0), cache[0, 0].stride(1),
                                        HEAD_DIM=16, D_PAD=16)

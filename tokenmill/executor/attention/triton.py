@@ -13,7 +13,7 @@ smallest `tl.dot` side) with masks; any power-of-two block size from 16 up works
 since each key tile looks up the block of every token it reads.
 
 Work split:
-- `_write_kv`: a program per (token, kv head) copies one K row and one V row;
+- `write_kv` (triton_kv_write.py): a program per (token, kv head) copies one K row and one V row;
   slot -1 (a padding token) is skipped.
 - `_chunk_attention`: a program per (query tile, kv head). A query tile is BLOCK_Q
   consecutive tokens of one request times the G query heads sharing the kv head
@@ -29,7 +29,7 @@ Work split:
   log-sum-exp. The grid depends only on the batch, so CUDA graphs capture it.
 Bound: both attention kernels read K/V once per (request, kv head, query tile),
 so decode is bound by the cache bytes over HBM bandwidth, which an 8-bit cache
-(kv_cache_dtype; kv_cache.py's layout) halves: `_write_kv` quantizes each row, `_attend`
+(kv_cache_dtype; kv_cache.py's layout) halves: `write_kv` quantizes each row, `_attend`
 reads it in place (the interpreter rounds to fp8 wrongly: CI tests int8 only).
 """
 
@@ -45,6 +45,7 @@ import triton.language as tl
 
 from tokenmill.executor.attention.base import AttentionMetadata, ToDevice, default_to_device
 from tokenmill.executor.attention.kv_cache import QMAX, KVCache
+from tokenmill.executor.attention.triton_kv_write import write_kv
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_HEAD_DIM = 256
@@ -53,54 +54,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _quantize_row(x, QMAX: tl.constexpr, ROUND: tl.constexpr):
-    """(x / s within +-QMAX, s = max|x| / QMAX) as kv_cache.quantize_rows, divisions rounded
-    as torch's; ROUND: to the nearest integer, ties to even (int8; an fp8 store rounds)."""
-    amax = tl.max(tl.abs(x), 0)
-    s = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, QMAX), 1.1754943508222875e-38), 1.0)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX)
-    if ROUND:
-        f = tl.floor(y)
-        d = y - f  # exact
-        up = (d > 0.5) | ((d == 0.5) & (f - 2.0 * tl.floor(f * 0.5) != 0.0))
-        y = tl.where(up, f + 1.0, f)
-    return y, s
-
-
-@triton.jit
-def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, stride_kt, stride_kh,
-              stride_vt, stride_vh, stride_slot, stride_head, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-              QMAX: tl.constexpr = 0.0, ROUND: tl.constexpr = False):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)
-    if slot >= 0:
-        offs_d = tl.arange(0, D_PAD)
-        mask = offs_d < HEAD_DIM
-        dst = slot * stride_slot + h * stride_head + offs_d
-        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_d, mask=mask, other=0.0)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_d, mask=mask, other=0.0)
-        if QMAX > 0:
-            k, ks = _quantize_row(k.to(tl.float32), QMAX, ROUND)
-            v, vs = _quantize_row(v.to(tl.float32), QMAX, ROUND)
-            heads = stride_slot // stride_head
-            tl.store(k_scale_ptr + slot * heads + h, ks)
-            tl.store(v_scale_ptr + slot * heads + h, vs)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row_ptr,
             kv_head, lo, hi, scale_log2, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             QUANT: tl.constexpr):
     """Online softmax of the rows q over keys [lo, hi) of one context; a row sees key j
-    when j <= its position. m_i and the scores are in log2 units. QUANT: an 8-bit cache,
-    read in place: keys widen exactly to q's dtype and their scales multiply the scores;
-    values are scaled in float32, then rounded to q's dtype."""
+    when j <= its position. m_i and the scores are in log2 units. QUANT (an 8-bit cache,
+    read in place): 1 (float32 q) keys widen exactly to float32 and their scales multiply
+    the scores, values are scaled in float32; 2 (16-bit q) K and V widen exactly to float16
+    (int8, e4m3 and e5m2 all fit), one packed conversion an element where the float32 route
+    took four (on an H200 those conversions, not the bytes, set the fp8 cache's pace):
+    q enters the dot divided by its row's max |q| (so no float16 overflow) and the value
+    scales go into p divided by the tile's largest (so p stays in [0, 1])."""
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
+    if QUANT == 2:
+        q_amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+        q_amax = tl.where(q_amax > 0, q_amax, 1.0)
+        q = (q.to(tl.float32) / q_amax[:, None]).to(tl.float16)
     for start in range(lo, hi, TILE_N):
         offs_n = start + tl.arange(0, TILE_N)
         n_mask = offs_n < hi
@@ -114,13 +85,19 @@ def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scal
             heads = stride_slot // stride_head
             k_scale = tl.load(k_scale_ptr + slot * heads + kv_head, mask=n_mask, other=0.0)
             v_scale = tl.load(v_scale_ptr + slot * heads + kv_head, mask=n_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)  # p * scale could underflow in fp16
+            if QUANT == 2:
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
+            else:
+                k = k.to(q.dtype)
+                v = v.to(tl.float32) * v_scale[:, None]
         elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if QUANT:
+        if QUANT == 2:
+            s = s * (q_amax[:, None] * k_scale[None, :])
+        elif QUANT:
             s = s * k_scale[None, :]
         s = s * scale_log2
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :] & row_valid[:, None]
@@ -130,7 +107,13 @@ def _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scal
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if QUANT == 2:
+            v_max = tl.max(v_scale, 0)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            pv = tl.dot((p * (v_scale / v_max)[None, :]).to(tl.float16), v) * v_max
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
 
@@ -265,6 +248,11 @@ class TritonPlan(NamedTuple):
     decodes: DecodeWork | None
 
 
+def _quant_mode(quant: bool, dtype: torch.dtype) -> int:
+    """_attend's QUANT: 0 a 16-bit or float32 cache, 1 an 8-bit one read in float32, 2 one read in float16."""
+    return 0 if not quant else 1 if dtype == torch.float32 else 2
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -366,14 +354,14 @@ class TritonBackend:
         quant = k_scales is not None
         k_scales, v_scales = (k_scales, v_scales) if quant else (k_cache, v_cache)  # never read unless quant
         stride_slot, stride_head = k_cache.stride(0), k_cache.stride(1)
-        _write_kv[(len(k), self.kv_heads)](k, v, k_cache, v_cache, k_scales, v_scales, md.slot_mapping, k.stride(0),
-                                           k.stride(1), v.stride(0), v.stride(1), stride_slot, stride_head,
-                                           HEAD_DIM=self.head_dim, D_PAD=self.d_pad, QMAX=self.qmax,
-                                           ROUND=k_cache.dtype == torch.int8)
+        write_kv[(len(k), self.kv_heads)](k, v, k_cache, v_cache, k_scales, v_scales, md.slot_mapping, k.stride(0),
+                                          k.stride(1), v.stride(0), v.stride(1), stride_slot, stride_head,
+                                          HEAD_DIM=self.head_dim, D_PAD=self.d_pad, QMAX=self.qmax,
+                                          ROUND=k_cache.dtype == torch.int8)
         out = torch.empty_like(q)
         # float32 must not drop to tf32 (parity); 16-bit operands take the default
         common = dict(BLOCK_SIZE=self.block_size, TILE_N=self.tile_n, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
-                      UPCAST=INTERPRET and q.dtype == torch.bfloat16, QUANT=quant,
+                      UPCAST=INTERPRET and q.dtype == torch.bfloat16, QUANT=_quant_mode(quant, q.dtype),
                       PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=self.num_warps,
                       num_stages=self.num_stages)
         if plan.chunks is not None:
