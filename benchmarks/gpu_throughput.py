@@ -276,9 +276,13 @@ class Bench:
 
     def profile(self) -> None:
         """Where a decode step's time goes (CUDA graphs on): the GPU's kernel time against
-        the step's wall time, and the kernels that take most of it (--profile-quantization fp8: FP8's)."""
-        q = self.args.profile_quantization
-        llm = self.engine(self.shape, **({"quantization": q} if q else {}))
+        the step's wall time, and the kernels that take most of it (--profile-quantization fp8: FP8's;
+        --profile-kv-cache-dtype fp8: the 8-bit cache's; --profile-shape llama8b: the Llama-3-8B shape's)."""
+        q, kv = self.args.profile_quantization, self.args.profile_kv_cache_dtype
+        shape = self.big_shape if self.args.profile_shape == "llama8b" else self.shape
+        llm = self.engine(shape, **({"quantization": q} if q else {}), **({"kv_cache_dtype": kv} if kv else {}))
+        what = ", ".join(x for x in (self.args.profile_shape if shape is self.big_shape else "", q,
+                                     kv and f"kv {kv}") if x)
         detail = {}
         host = []
         for batch in self.args.step_batches:
@@ -286,7 +290,7 @@ class Bench:
             host.append(f"== batch {batch}, context {self.args.step_context}: the host's Python, by own time\n"
                         + profile_host(llm, batch, self.args.step_context))
             detail[batch] = {"wall_ms": wall * 1e3, "kernel_ms": kernels * 1e3, "top_kernels": top}
-            self.rows.append((f"profile{', ' + q if q else ''}, batch {batch}: step wall / GPU kernels",
+            self.rows.append((f"profile{', ' + what if what else ''}, batch {batch}: step wall / GPU kernels",
                               f"{wall * 1e3:.2f} / {kernels * 1e3:.2f} ms; top: "
                               + ", ".join(f"{name[:28]} {ms:.2f}" for name, ms in top[:3]), ""))
         del llm
@@ -338,6 +342,8 @@ def main() -> None:
     p.add_argument("--step-context", type=int, default=512)
     p.add_argument("--fp8-8b-requests", type=int, default=64)
     p.add_argument("--profile-quantization", default=None, help="section profile with this quantization (fp8)")
+    p.add_argument("--profile-kv-cache-dtype", default=None, help="section profile with this KV cache dtype (fp8)")
+    p.add_argument("--profile-shape", default="qwen3", choices=["qwen3", "llama8b"], help="section profile's model")
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
     p.add_argument("--only", default="tests,qwen3,fp8,fp8_quality,steps,profile,hf,hf_cb,llama8b,fp8_8b")
     p.add_argument("--smoke", action="store_true", help="a tiny shape and workload, to check the script itself")
