@@ -121,20 +121,22 @@ def test_cpu_kernel_matches_dense(dtype, tol, query_lens, seq_lens):
     assert torch.allclose(out, ref, atol=tol, rtol=tol)
 
 
-# The decode kernel's three paths: AVX512-BF16 (bf16 at head dim 64 or 128) where the CPU has
-# it, AVX2 (head dim a multiple of 16, every cache dtype) and the generic loop (head dim 72).
-# GQA groups of 1, 2, 3, 4, 8 and 16 (a group's heads go through V in tiles of up to 8, fewer
-# at d 128 under AVX512-BF16), block sizes 16 and 5, contexts of 1 to 300 tokens (odd, even,
-# multiples of 8 and 16 and not). The cache holds NaN outside the contexts: any read of it shows.
+# The decode kernel's paths: AVX512-BF16 (bf16 at head dim 64 or 128) and AVX512-VNNI (an int8
+# cache at head dim 64 or 128) where the CPU has them, AVX2 (head dim a multiple of 16, every
+# cache dtype) and the generic loop (head dim 72). GQA groups of 1, 2, 3, 4, 8 and 16 (a group's
+# heads go through V in tiles of up to 8, fewer at d 128 under AVX512-BF16, in slices of the row
+# under AVX512-VNNI), block sizes 16 and 5, contexts of 1 to 300 tokens (odd, even, multiples of
+# 8 and 16 and not). The cache holds NaN outside the contexts: any read of it shows.
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 8, 128),
-                                                  (8, 2, 64), (8, 2, 128), (8, 1, 16), (16, 1, 48),
-                                                  (3, 1, 72), (32, 2, 32)])
+                                                  (8, 2, 64), (8, 2, 128), (16, 2, 64), (8, 1, 128),
+                                                  (8, 1, 16), (16, 1, 48), (3, 1, 72), (32, 2, 32)])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("dtype, kv_dtype, tol", [
     (torch.bfloat16, None, 2e-2), (torch.float32, None, 1e-5), (torch.float16, None, 5e-3),
-    # int8: the query is rounded to int16 for q.k (1e-4 here, a hundredth of int8's own error)
-    (torch.float32, torch.int8, 5e-4), (torch.float32, torch.float8_e4m3fn, 1e-5),
-    (torch.float16, torch.float8_e5m2, 5e-3)], ids=["bf16", "fp32", "fp16", "int8", "fp8_e4m3", "fp8_e5m2"])
+    # int8: the query and the probabilities are rounded to int16 (1e-4 here, a hundredth of int8's own error)
+    (torch.float32, torch.int8, 5e-4), (torch.bfloat16, torch.int8, 2e-2), (torch.float32, torch.float8_e4m3fn, 1e-5),
+    (torch.float16, torch.float8_e5m2, 5e-3)],
+    ids=["bf16", "fp32", "fp16", "int8", "bf16-int8", "fp8_e4m3", "fp8_e5m2"])
 def test_cpu_decode_kernel_paths(heads, kv_heads, dim, block_size, dtype, kv_dtype, tol):
     seq_lens = [1, 2, 7, 8, 9, 15, 16, 17, 32, 33, 100, 300]
     out, ref, _ = run_backend(cpu_backend, dtype, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
@@ -142,14 +144,16 @@ def test_cpu_decode_kernel_paths(heads, kv_heads, dim, block_size, dtype, kv_dty
     assert torch.allclose(out, ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(16, 8, 64), (16, 8, 128)])
-def test_cpu_bf16_decode_of_long_contexts_beside_short_ones(heads, kv_heads, dim):
+@pytest.mark.parametrize("heads, kv_heads, dim", [(16, 8, 64), (16, 8, 128), (32, 4, 128)])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16", "int8"])
+def test_cpu_bf16_decode_of_long_contexts_beside_short_ones(heads, kv_heads, dim, kv_dtype):
     """bfloat16 decodes over contexts longer than the kernels' prefetch distance and their
-    chunks (decode_attention_bf16 under AVX512-BF16, else the AVX2 kernel), 15 MB or more of
-    K and V in one step, beside contexts of 1 and 17 tokens."""
+    chunks (decode_attention_bf16 under AVX512-BF16, decode_attention_int8 under AVX512-VNNI
+    with its int32 sums taken to float every 256 tokens, else the AVX2 kernel), 15 MB or more
+    of K and V in one step, beside contexts of 1 and 17 tokens."""
     seq_lens = [1, 17, 300, 3500, 3500]
     out, ref, _ = run_backend(cpu_backend, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=4, heads=heads,
-                              kv_heads=kv_heads, dim=dim, fill=float("nan"))
+                              kv_heads=kv_heads, dim=dim, fill=float("nan"), kv_dtype=kv_dtype)
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
 
 

@@ -33,6 +33,11 @@ bool paged_decode_attention_avx2(torch::Tensor& out, const torch::Tensor& q, con
                                  const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
                                  float scale);
 
+bool paged_decode_attention_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                                 const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
+                                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
+                                 float scale);
+
 namespace {
 using namespace tokenmill;
 
@@ -107,27 +112,6 @@ void decode_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v
 }
 
 #if defined(__AVX512BF16__)
-// r[i] = sum of the 16 lanes of a[i], for i < 16 (a transpose-and-add tree: 45 ops for
-// 16 sums where one reduce_add per sum would take about 8 each)
-inline __m512 hsum16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int k = 0; k < 8; ++k) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3], x = a[2k], y = a[2k+1]
-    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-  }
-  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane's partial sums of a[4k..4k+3]
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
-    c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  }
-  // add the four 128-bit lanes of each c[k]; lane q of the result holds a[4q..4q+3]
-  const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // rows are fetched this many tokens ahead of their use, into L2
 constexpr int64_t kBf16Ahead = 32;
 inline void prefetch_bf16_row(const c10::BFloat16* p, int64_t D) {
@@ -246,7 +230,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     }
     const float* ks = k_scales->data_ptr<float>();
     const float* vs = v_scales->data_ptr<float>();
-    if (paged_decode_attention_avx2(out, q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
+    if (paged_decode_attention_int8(out, q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
+                                    static_cast<float>(scale)) ||
+        paged_decode_attention_avx2(out, q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
                                     static_cast<float>(scale))) {
       return;
     }

@@ -180,6 +180,40 @@ inline void slot_rows(std::vector<int64_t>& rows, const int32_t* blocks, int64_t
   for (int64_t t = len; t < end; ++t) rows[t] = rows[len - 1];
 }
 
+#if defined(__AVX512F__)
+// r[i] = sum of the 16 lanes of a[i], for i < 16 (a transpose-and-add tree: 45 ops for
+// 16 sums where one reduce_add per sum would take about 8 each)
+inline __m512 hsum16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3], x = a[2k], y = a[2k+1]
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  }
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane's partial sums of a[4k..4k+3]
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // add the four 128-bit lanes of each c[k]; lane q of the result holds a[4q..4q+3]
+  const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// unpack_pairs interleaves two rows of 32 16-bit values per 128-bit lane: lane 4L+i of lo is
+// value 8L+i, of hi 8L+4+i. The 32 sums accumulated against such lo and hi, stored back in
+// value order.
+template <typename T>
+inline void store_unpacked(T* o, __m512 lo, __m512 hi) {
+  const __m512 first = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 second = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+  store16(o, _mm512_shuffle_f32x4(first, first, _MM_SHUFFLE(3, 1, 2, 0)));
+  store16(o + 16, _mm512_shuffle_f32x4(second, second, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
@@ -193,13 +227,6 @@ inline void unpack_pairs(const c10::BFloat16* v0, const c10::BFloat16* v1, __m51
   hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
 }
 
-// the 32 sums accumulated against unpack_pairs' lo and hi, stored back in value order
-inline void store_unpacked(c10::BFloat16* o, __m512 lo, __m512 hi) {
-  const __m512 first = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m512 second = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
-  store16(o, _mm512_shuffle_f32x4(first, first, _MM_SHUFFLE(3, 1, 2, 0)));
-  store16(o + 16, _mm512_shuffle_f32x4(second, second, _MM_SHUFFLE(3, 1, 2, 0)));
-}
 #endif
 
 // dst[0:n] = src[0:n] narrowed to T (16 lanes at a time where possible)

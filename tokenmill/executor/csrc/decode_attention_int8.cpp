@@ -1,0 +1,222 @@
+// Paged decode attention over an int8 KV cache (kv_cache_dtype int8) with AVX512-VNNI, for
+// head_dim 64 or 128 and queries in float32, bfloat16 or float16. Same arguments and results
+// as attention.cpp's decode_attention; elsewhere the AVX2 kernel takes int8 caches.
+//
+// The layout of work is decode_attention_bf16's (attention.cpp): one job = one request, each
+// kv head in turn, its GQA group's heads together.
+//   scores  each head's query (times the softmax scale) rounded to int16 against its largest
+//           value; q.k of 32 values a vpdpwssd (int16 pairs, int32 sums) on the K row widened
+//           to int16; 16 tokens' sums reduced at once (hsum16), then times the rows' scales.
+//           The K rows of a 16-token chunk are read from memory once and stay in L1 for the
+//           group's other heads.
+//   softmax over the context, each probability times its V row's scale, then rounded to
+//           int16 against the head's largest (an error of at most 2^-16 of it per token).
+//   p.v     two tokens' V rows widened and interleaved, so one vpdpwssd adds p[t] v[t][e] +
+//           p[t+1] v[t+1][e]; the group's heads (up to 8) share each row, their sums in
+//           registers for a slice of the row at a time, the other slices reading the chunk's
+//           rows from L1; int32 sums go to float every kIntChunk tokens, before they could
+//           overflow (2 * 32767 * 127 * kIntChunk / 2 < 2^31).
+// Rows are prefetched kAhead tokens ahead into L2. Against the AVX2 kernel (256-bit vpmaddwd
+// and separate adds) this does twice the work an instruction.
+#include "vec.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <atomic>
+
+namespace {
+using namespace tokenmill;
+
+constexpr int64_t kAhead = 64;  // 8 KB of d-128 rows, as the bf16 kernel's 32 rows of twice the bytes
+constexpr int64_t kIntChunk = 256;
+
+inline void prefetch_int8_row(const int8_t* p, int64_t D) {
+  for (int64_t i = 0; i < D; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+}
+
+// 32 int8 values widened to int16
+inline __m512i load_i16(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// out[0:n] = x[0:n] rounded to int16 against its largest magnitude; returns the scale s, x ~= out * s
+inline float round_to_int16(const float* x, int16_t* out, int64_t n) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[i]));
+  const float s = amax > 0.f ? amax / 32767.f : 1.f;
+  const float inv = 1.f / s;
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
+  return s;
+}
+
+template <int D, int G, typename T>
+void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, const int8_t* v_cache,
+                           const float* k_scales, const float* v_scales, const int32_t* block_table,
+                           const int32_t* seq_lens, T* out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t block_size, int64_t max_blocks, float scale) {
+  constexpr int C = D / 32;  // 512-bit registers of int16 per row
+  constexpr int S = std::min(C, 8 / G);  // of them summed at a time: 2 S G <= 16 registers of sums
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * D;
+  std::atomic<int64_t> next_job{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<int64_t> slots, rows;  // each context token's slot, and its row's element offset
+    std::vector<float> k_scale, v_scale, qf(D), scores, acc(G * D), q_scale(group), p_scale(group);
+    std::vector<int16_t> qi(group * D), pi;  // queries [group][D], probabilities [group][padded]
+    for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
+      const int64_t len = seq_lens[r];
+      const int64_t padded = (len + 32) / 32 * 32;  // past len: the last row again, weighed 0
+      slot_rows(slots, block_table + r * max_blocks, len, padded + kAhead, block_size, 1);
+      rows.resize(padded + kAhead);
+      for (int64_t t = 0; t < padded + kAhead; ++t) rows[t] = slots[t] * slot_stride;
+      scores.resize(group * padded);
+      pi.resize(group * padded);
+      k_scale.resize(padded);  // past len: a real row's scale, its score dropped
+      v_scale.resize(padded);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int8_t* kh = k_cache + h * D;
+        const int8_t* vh = v_cache + h * D;
+        const float* ksh = k_scales + h;  // slot i's scale at [i * num_kv_heads]
+        const float* vsh = v_scales + h;
+        for (int64_t t = 0; t < std::min(kAhead, padded); ++t) {
+          _mm_prefetch(reinterpret_cast<const char*>(ksh + slots[t] * num_kv_heads), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(vsh + slots[t] * num_kv_heads), _MM_HINT_T1);
+          prefetch_int8_row(kh + rows[t], D);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          load_row(q + r * q_stride + (h * group + g) * D, qf.data(), D);
+          q_scale[g] = round_to_int16(qf.data(), qi.data() + g * D, D) * scale;
+        }
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+          // the chunk's row scales, and the rows and scales kAhead tokens on fetched into L2 (the
+          // scales sit apart from the rows: unfetched, each block waited on two more misses)
+          for (int i = 0; i < 16; ++i) {
+            const int64_t now = slots[t0 + i] * num_kv_heads, ahead = slots[t0 + kAhead + i] * num_kv_heads;
+            k_scale[t0 + i] = ksh[now];
+            v_scale[t0 + i] = vsh[now];
+            prefetch_int8_row(kh + rows[t0 + kAhead + i], D);
+            _mm_prefetch(reinterpret_cast<const char*>(ksh + ahead), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(vsh + ahead), _MM_HINT_T1);
+          }
+          const __m512 ks = _mm512_loadu_ps(k_scale.data() + t0);
+          for (int64_t g = 0; g < group; ++g) {
+            __m512i qv[C];
+            for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(qi.data() + g * D + 32 * c);
+            __m512 dots[16];
+            for (int i = 0; i < 16; ++i) {
+              const int8_t* k = kh + rows[t0 + i];
+              __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), load_i16(k), qv[0]);
+              for (int c = 1; c < C; ++c) d = _mm512_dpwssd_epi32(d, load_i16(k + 32 * c), qv[c]);
+              dots[i] = _mm512_cvtepi32_ps(d);
+            }
+            const __m512 s = _mm512_mul_ps(hsum16(dots), _mm512_mul_ps(ks, _mm512_set1_ps(q_scale[g])));
+            _mm512_storeu_ps(scores.data() + g * padded + t0, s);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * padded;
+          softmax_inplace(s, len);
+          for (int64_t t = 0; t < len; ++t) s[t] *= v_scale[t];
+          for (int64_t t = len; t < padded; ++t) s[t] = 0.f;
+          p_scale[g] = round_to_int16(s, pi.data() + g * padded, padded);
+        }
+        for (int64_t head0 = 0; head0 < group; head0 += G) {
+          std::fill(acc.begin(), acc.end(), 0.f);  // [G][C][lo 16 | hi 16], unpack_pairs' order
+          for (int64_t c0 = 0; c0 < len; c0 += kIntChunk) {
+            const int64_t c1 = std::min(len, c0 + kIntChunk);
+            for (int c0s = 0; c0s < C; c0s += S) {  // a slice of S * 32 values; later slices read the chunk from L1
+              __m512i lo[G][S], hi[G][S];
+              for (int g = 0; g < G; ++g)
+                for (int c = 0; c < S; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_si512();
+              for (int64_t t = c0; t < c1; t += 2) {
+                const int8_t* v0 = vh + rows[t] + 32 * c0s;
+                const int8_t* v1 = vh + rows[t + 1] + 32 * c0s;
+                if (c0s == 0) {
+                  prefetch_int8_row(vh + rows[t + kAhead], D);
+                  prefetch_int8_row(vh + rows[t + 1 + kAhead], D);
+                }
+                __m512i pp[G];
+                for (int g = 0; g < G; ++g) {
+                  int32_t pair;  // tokens t (low half) and t + 1
+                  std::memcpy(&pair, pi.data() + (head0 + g) * padded + t, sizeof(pair));
+                  pp[g] = _mm512_set1_epi32(pair);
+                }
+                for (int c = 0; c < S; ++c) {
+                  const __m512i a = load_i16(v0 + 32 * c), b = load_i16(v1 + 32 * c);
+                  const __m512i l = _mm512_unpacklo_epi16(a, b), u = _mm512_unpackhi_epi16(a, b);
+                  for (int g = 0; g < G; ++g) {
+                    lo[g][c] = _mm512_dpwssd_epi32(lo[g][c], l, pp[g]);
+                    hi[g][c] = _mm512_dpwssd_epi32(hi[g][c], u, pp[g]);
+                  }
+                }
+              }
+              for (int g = 0; g < G; ++g) {
+                const __m512 ps = _mm512_set1_ps(p_scale[head0 + g]);
+                for (int c = 0; c < S; ++c) {
+                  float* a = acc.data() + (g * C + c0s + c) * 32;
+                  _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[g][c]), ps, _mm512_loadu_ps(a)));
+                  _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[g][c]), ps, _mm512_loadu_ps(a + 16)));
+                }
+              }
+            }
+          }
+          for (int g = 0; g < G; ++g) {
+            T* o = out + (r * num_heads + h * group + head0 + g) * D;
+            for (int c = 0; c < C; ++c) {
+              const float* a = acc.data() + (g * C + c) * 32;
+              store_unpacked(o + 32 * c, _mm512_loadu_ps(a), _mm512_loadu_ps(a + 16));
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void run_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              const float* k_scales, const float* v_scales, const torch::Tensor& block_table,
+              const torch::Tensor& seq_lens, int64_t block_size, float scale) {
+  const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
+  // G query heads share each V row (the whole group, up to 8), in slices of the row that fit the registers
+  auto run = q.size(2) == 64 ? (group % 8 == 0   ? decode_attention_int8<64, 8, T>
+                                : group % 4 == 0 ? decode_attention_int8<64, 4, T>
+                                : group % 2 == 0 ? decode_attention_int8<64, 2, T>
+                                                 : decode_attention_int8<64, 1, T>)
+                             : (group % 8 == 0   ? decode_attention_int8<128, 8, T>
+                                : group % 4 == 0 ? decode_attention_int8<128, 4, T>
+                                : group % 2 == 0 ? decode_attention_int8<128, 2, T>
+                                                 : decode_attention_int8<128, 1, T>);
+  run(q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scales, v_scales,
+      block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), num_heads,
+      num_kv_heads, block_size, block_table.size(1), scale);
+}
+
+}  // namespace
+
+// Runs the decode if this build and these shapes allow it; false leaves it to the caller.
+// Arguments as paged_decode_attention's (checked there).
+bool paged_decode_attention_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                                 const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
+                                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
+                                 float scale) {
+  if (k_cache.scalar_type() != at::kChar || (q.size(2) != 64 && q.size(2) != 128)) return false;
+  switch (q.scalar_type()) {
+    case at::kFloat: run_int8<float>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
+                                     block_size, scale); return true;
+    case at::kBFloat16: run_int8<c10::BFloat16>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
+                                                block_size, scale); return true;
+    case at::kHalf: run_int8<c10::Half>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
+                                        block_size, scale); return true;
+    default: return false;
+  }
+}
+
+#else
+
+bool paged_decode_attention_int8(torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                 const float*, const float*, const torch::Tensor&, const torch::Tensor&, int64_t,
+                                 float) {
+  return false;
+}
+
+#endif
