@@ -135,8 +135,9 @@ def test_cpu_kernel_matches_dense(dtype, tol, query_lens, seq_lens):
     (torch.bfloat16, None, 2e-2), (torch.float32, None, 1e-5), (torch.float16, None, 5e-3),
     # int8: the query and the probabilities are rounded to int16 (1e-4 here, a hundredth of int8's own error)
     (torch.float32, torch.int8, 5e-4), (torch.bfloat16, torch.int8, 2e-2), (torch.float32, torch.float8_e4m3fn, 1e-5),
-    (torch.float16, torch.float8_e5m2, 5e-3)],
-    ids=["bf16", "fp32", "fp16", "int8", "bf16-int8", "fp8_e4m3", "fp8_e5m2"])
+    (torch.float16, torch.float8_e5m2, 5e-3), (torch.bfloat16, torch.float8_e4m3fn, 2e-2),
+    (torch.bfloat16, torch.float8_e5m2, 2e-2)],
+    ids=["bf16", "fp32", "fp16", "int8", "bf16-int8", "fp8_e4m3", "fp8_e5m2", "bf16-fp8_e4m3", "bf16-fp8_e5m2"])
 def test_cpu_decode_kernel_paths(heads, kv_heads, dim, block_size, dtype, kv_dtype, tol):
     seq_lens = [1, 2, 7, 8, 9, 15, 16, 17, 32, 33, 100, 300]
     out, ref, _ = run_backend(cpu_backend, dtype, [1] * len(seq_lens), seq_lens, seed=3, heads=heads,
@@ -145,12 +146,13 @@ def test_cpu_decode_kernel_paths(heads, kv_heads, dim, block_size, dtype, kv_dty
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(16, 8, 64), (16, 8, 128), (32, 4, 128)])
-@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["bf16", "int8", "fp8"])
 def test_cpu_bf16_decode_of_long_contexts_beside_short_ones(heads, kv_heads, dim, kv_dtype):
     """bfloat16 decodes over contexts longer than the kernels' prefetch distance and their
-    chunks (decode_attention_bf16 under AVX512-BF16, decode_attention_int8 under AVX512-VNNI
-    with its int32 sums taken to float every 256 tokens, else the AVX2 kernel), 15 MB or more
-    of K and V in one step, beside contexts of 1 and 17 tokens."""
+    chunks (decode_attention_bf16 under AVX512-BF16 for a bf16 cache, decode_attention_int8
+    under AVX512-VNNI for int8, with its int32 sums taken to float every 256 tokens, else and
+    for fp8 the AVX2 kernel), 15 MB or more of K and V in one step, beside contexts of 1 and
+    17 tokens."""
     seq_lens = [1, 17, 300, 3500, 3500]
     out, ref, _ = run_backend(cpu_backend, torch.bfloat16, [1] * len(seq_lens), seq_lens, seed=4, heads=heads,
                               kv_heads=kv_heads, dim=dim, fill=float("nan"), kv_dtype=kv_dtype)

@@ -299,7 +299,14 @@ void write_quantized(const T* src, int64_t src_stride, C* cache, float* scales, 
         const float s = amax > 0.f ? std::max(amax / qmax, std::numeric_limits<float>::min()) : 1.f;
         const int64_t slot_head = slots[t] * kv_heads + h;
         C* dst = cache + slot_head * head_dim;
-        for (int64_t e = 0; e < head_dim; ++e) dst[e] = quantize_element<C>(load(row, e) / s, qmax);
+        // x / s in double: -ffast-math turns a float division by the loop's s into a product with
+        // its reciprocal, one ulp off at times, which moved an exact tie between two 8-bit codes
+        // (common in bf16 rows) to the other code than torch's division (kv_cache.quantize_rows);
+        // the double quotient rounds to the exact float one whenever that is a tie
+        const double inv = 1.0 / static_cast<double>(s);
+        for (int64_t e = 0; e < head_dim; ++e) {
+          dst[e] = quantize_element<C>(static_cast<float>(static_cast<double>(load(row, e)) * inv), qmax);
+        }
         scales[slot_head] = s;
       }
     }
