@@ -6,6 +6,7 @@ bytes. Each function takes the script's Bench."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,14 @@ def fp8_8b(bench) -> None:
     base = bench.throughput("llama3_8b_bf16_fewer", bench.big_shape, num_requests=n)
     fp8 = bench.throughput("llama3_8b_fp8_fewer", bench.big_shape, num_requests=n, quantization="fp8")
     bench.rows.append((f"FP8 W8A8, Llama-3-8B shape, {n} requests: tok/s, vs bf16", _versus(fp8, base), ""))
+    # the same with decode-sized steps through triton_fp8_gemm (opt-in, read when the weights are packed)
+    os.environ["TOKENMILL_FP8_GEMM"] = "triton"
+    try:
+        small = bench.throughput("llama3_8b_fp8_triton_gemm_fewer", bench.big_shape, num_requests=n,
+                                 quantization="fp8")
+    finally:
+        del os.environ["TOKENMILL_FP8_GEMM"]
+    bench.rows.append(("  same, steps of <= 64 rows through triton_fp8_gemm: vs bf16", _versus(small, base), ""))
 
 
 def fp8_quality(bench) -> None:

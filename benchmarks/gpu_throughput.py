@@ -367,7 +367,7 @@ def main() -> None:
                            ("fp8", partial(gpu_quant.fp8, bench), 110),
                            ("fp8_quality", partial(gpu_quant.fp8_quality, bench), 60), ("steps", bench.steps, 60),
                            ("profile", bench.profile, 40), ("hf", bench.hf, 170), ("hf_cb", bench.hf_cb, 150),
-                           ("llama8b", bench.llama8b, 90), ("fp8_8b", partial(gpu_quant.fp8_8b, bench), 150)]:
+                           ("llama8b", bench.llama8b, 90), ("fp8_8b", partial(gpu_quant.fp8_8b, bench), 180)]:
         if name in only:
             bench.section(name, fn, 0 if args.smoke else cost)
     bench.table()

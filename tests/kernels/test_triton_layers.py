@@ -147,3 +147,57 @@ def test_fp8_layer_with_the_triton_activation_quantization():
     reference = layer(x)
     method.quantize = ops.quantize_fp8_rows
     assert torch.equal(layer(x), reference)
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k", [(1, 96, 64), (5, 200, 1024), (17, 64, 600), (64, 130, 300)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
+def test_fp8_gemm_matches_the_scaled_product(poisoned_outputs, out_dtype, m, n, k, with_bias):
+    """triton_fp8_gemm (decode-sized FP8 steps, split along K where the columns are few) gives
+    (q @ w^T) * row scales * column scales (+ bias) of the same fp8 codes: a float64 reference,
+    and torch._scaled_mm (which also runs on the CPU). Shapes with one split and with several,
+    a last K tile cut short, and ragged rows and columns."""
+    from tokenmill.executor.layers import triton_fp8_gemm
+    from tokenmill.executor.layers.quantization.fp8 import quantize_fp8_rows
+
+    g = torch.Generator().manual_seed(m * n + k)
+    q, x_scale = quantize_fp8_rows(torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None])
+    w, w_scale = quantize_fp8_rows(torch.randn(n, k, generator=g) * 0.05)
+    bias = torch.randn(n, generator=g).to(out_dtype) if with_bias else None
+    if DEVICE == "cpu":  # the interpreter's plan counts 8 multiprocessors: both kinds of launch run here
+        assert (triton_fp8_gemm.plan(m, n, k, 8)[1] > 1) == (k >= 4 * triton_fp8_gemm.BLOCK_K)
+    out = triton_fp8_gemm.fp8_gemm(q.to(DEVICE), x_scale.to(DEVICE), w.to(DEVICE), w_scale.reshape(1, -1).to(DEVICE),
+                                   None if bias is None else bias.to(DEVICE), out_dtype)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    ref = (q.double() @ w.double().T) * x_scale.double() * w_scale.reshape(1, -1).double()
+    if bias is not None:
+        ref += bias.double()
+    close(out.cpu(), ref, out_dtype)
+    scaled = torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, -1).contiguous(),
+                              out_dtype=torch.float32)
+    scaled = (scaled + (0 if bias is None else bias.float())).to(out_dtype)
+    torch.testing.assert_close(out.cpu().float(), scaled.float(), atol=TOL[out_dtype], rtol=TOL[out_dtype])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the layer takes triton_fp8_gemm on CUDA only")
+def test_fp8_layer_takes_the_small_gemm_when_asked(monkeypatch):
+    """TOKENMILL_FP8_GEMM=triton: steps of up to SMALL_M rows go through triton_fp8_gemm, larger
+    ones through torch._scaled_mm; both agree with the default layer."""
+    from tokenmill.executor.layers import triton_fp8_gemm
+    from tokenmill.executor.layers.linear import Linear
+    from tokenmill.executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 512, generator=g) * 0.05
+    layers = []
+    for choice in ("cublas", "triton"):
+        monkeypatch.setenv("TOKENMILL_FP8_GEMM", choice)
+        layer = Linear(512, 256, bias=False, quant_method=Fp8LinearMethod(from_checkpoint=False))
+        layer.weight.data.copy_(w)
+        layer.to(DEVICE, torch.bfloat16).pack()
+        layers.append(layer)
+    assert layers[0].quant_method.small_gemm is None
+    assert layers[1].quant_method.small_gemm is triton_fp8_gemm.fp8_gemm
+    for rows in (1, triton_fp8_gemm.SMALL_M, triton_fp8_gemm.SMALL_M + 1):
+        x = torch.randn(rows, 512, generator=g).to(DEVICE, torch.bfloat16)
+        torch.testing.assert_close(layers[1](x), layers[0](x), atol=1.6e-2, rtol=1.6e-2)

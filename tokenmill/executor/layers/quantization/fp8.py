@@ -46,6 +46,7 @@ class Fp8LinearMethod:
     def __init__(self, from_checkpoint: bool) -> None:
         self.from_checkpoint = from_checkpoint
         self.quantize = quantize_fp8_rows  # the activations' quantization, chosen at load
+        self.small_gemm, self.small_rows = None, 0  # steps of up to small_rows rows: that GEMM, chosen at load
 
     def create_weights(self, layer: nn.Module) -> None:
         if self.from_checkpoint:
@@ -62,12 +63,16 @@ class Fp8LinearMethod:
         layer.weight = nn.Parameter(weight, requires_grad=False)  # [N, K]: its .t() is the column-major B
         layer.weight_scale_row = scale.reshape(1, -1).float().contiguous()  # [1, N]
         if weight.is_cuda:  # one Triton launch per layer and step instead of nine torch ops
-            from tokenmill.executor.layers import triton_ops
+            from tokenmill.executor.layers import triton_fp8_gemm, triton_ops
             self.quantize = triton_ops.quantize_fp8_rows
+            if triton_fp8_gemm.enabled():  # TOKENMILL_FP8_GEMM=triton: not yet timed on a GPU
+                self.small_gemm, self.small_rows = triton_fp8_gemm.fp8_gemm, triton_fp8_gemm.SMALL_M
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         q, scale = self.quantize(x)
         bias = layer.bias if layer.bias is None or layer.bias.dtype == x.dtype else layer.bias.to(x.dtype)
+        if len(x) <= self.small_rows:
+            return self.small_gemm(q, scale, layer.weight, layer.weight_scale_row, bias, x.dtype)
         late = bias is not None and x.dtype == torch.float32  # CUDA's _scaled_mm takes no bias for float32 out
         out = torch._scaled_mm(q, layer.weight.t(), scale_a=scale, scale_b=layer.weight_scale_row,
                                bias=None if late else bias, out_dtype=x.dtype)
