@@ -57,6 +57,7 @@ void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, 
   constexpr int S = std::min(C, 8 / G);  // of them summed at a time: 2 S G <= 16 registers of sums
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * D;
+  const int scale_stride = static_cast<int>(std::max<int64_t>(1, 16 / num_kv_heads));
   std::atomic<int64_t> next_job{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<int64_t> slots, rows;  // each context token's slot, and its row's element offset
@@ -94,8 +95,10 @@ void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, 
             k_scale[t0 + i] = ksh[now];
             v_scale[t0 + i] = vsh[now];
             prefetch_int8_row(kh + rows[t0 + kAhead + i], D);
-            _mm_prefetch(reinterpret_cast<const char*>(ksh + ahead), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(vsh + ahead), _MM_HINT_T1);
+            if (i % scale_stride == 0) {  // a cache line holds the scales of this many slots
+              _mm_prefetch(reinterpret_cast<const char*>(ksh + ahead), _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(vsh + ahead), _MM_HINT_T1);
+            }
           }
           const __m512 ks = _mm512_loadu_ps(k_scale.data() + t0);
           for (int64_t g = 0; g < group; ++g) {
