@@ -33,6 +33,10 @@ bool paged_decode_attention_avx2(torch::Tensor& out, const torch::Tensor& q, con
                                  const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
                                  float scale);
 
+bool paged_decode_attention_fp8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                                const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
+                                const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
+                                float scale);
 bool paged_decode_attention_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                                  const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
                                  const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
@@ -232,6 +236,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     const float* vs = v_scales->data_ptr<float>();
     if (paged_decode_attention_int8(out, q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
                                     static_cast<float>(scale)) ||
+        paged_decode_attention_fp8(out, q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
+                                   static_cast<float>(scale)) ||
         paged_decode_attention_avx2(out, q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
                                     static_cast<float>(scale))) {
       return;

@@ -29,10 +29,6 @@ using namespace tokenmill;
 constexpr int64_t kAhead = 64;  // 8 KB of d-128 rows, as the bf16 kernel's 32 rows of twice the bytes
 constexpr int64_t kIntChunk = 256;
 
-inline void prefetch_int8_row(const int8_t* p, int64_t D) {
-  for (int64_t i = 0; i < D; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
-}
-
 // 32 int8 values widened to int16
 inline __m512i load_i16(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -57,18 +53,16 @@ void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, 
   constexpr int S = std::min(C, 8 / G);  // of them summed at a time: 2 S G <= 16 registers of sums
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * D;
-  const int scale_stride = static_cast<int>(std::max<int64_t>(1, 16 / num_kv_heads));
   std::atomic<int64_t> next_job{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<int64_t> slots, rows;  // each context token's slot, and its row's element offset
+    PagedRows paged;
     std::vector<float> k_scale, v_scale, qf(D), scores, acc(G * D), q_scale(group), p_scale(group);
     std::vector<int16_t> qi(group * D), pi;  // queries [group][D], probabilities [group][padded]
     for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
       const int64_t len = seq_lens[r];
       const int64_t padded = (len + 32) / 32 * 32;  // past len: the last row again, weighed 0
-      slot_rows(slots, block_table + r * max_blocks, len, padded + kAhead, block_size, 1);
-      rows.resize(padded + kAhead);
-      for (int64_t t = 0; t < padded + kAhead; ++t) rows[t] = slots[t] * slot_stride;
+      paged.prepare(block_table + r * max_blocks, len, padded + kAhead, block_size, slot_stride);
+      const std::vector<int64_t>& rows = paged.rows;
       scores.resize(group * padded);
       pi.resize(group * padded);
       k_scale.resize(padded);  // past len: a real row's scale, its score dropped
@@ -78,28 +72,13 @@ void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, 
         const int8_t* vh = v_cache + h * D;
         const float* ksh = k_scales + h;  // slot i's scale at [i * num_kv_heads]
         const float* vsh = v_scales + h;
-        for (int64_t t = 0; t < std::min(kAhead, padded); ++t) {
-          _mm_prefetch(reinterpret_cast<const char*>(ksh + slots[t] * num_kv_heads), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(vsh + slots[t] * num_kv_heads), _MM_HINT_T1);
-          prefetch_int8_row(kh + rows[t], D);
-        }
+        paged.prefetch_first(ksh, vsh, kh, D, std::min(kAhead, padded), num_kv_heads);
         for (int64_t g = 0; g < group; ++g) {
           load_row(q + r * q_stride + (h * group + g) * D, qf.data(), D);
           q_scale[g] = round_to_int16(qf.data(), qi.data() + g * D, D) * scale;
         }
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
-          // the chunk's row scales, and the rows and scales kAhead tokens on fetched into L2 (the
-          // scales sit apart from the rows: unfetched, each block waited on two more misses)
-          for (int i = 0; i < 16; ++i) {
-            const int64_t now = slots[t0 + i] * num_kv_heads, ahead = slots[t0 + kAhead + i] * num_kv_heads;
-            k_scale[t0 + i] = ksh[now];
-            v_scale[t0 + i] = vsh[now];
-            prefetch_int8_row(kh + rows[t0 + kAhead + i], D);
-            if (i % scale_stride == 0) {  // a cache line holds the scales of this many slots
-              _mm_prefetch(reinterpret_cast<const char*>(ksh + ahead), _MM_HINT_T1);
-              _mm_prefetch(reinterpret_cast<const char*>(vsh + ahead), _MM_HINT_T1);
-            }
-          }
+          paged.chunk_scales(k_scale.data(), v_scale.data(), ksh, vsh, kh, D, t0, kAhead, num_kv_heads, 1.f);
           const __m512 ks = _mm512_loadu_ps(k_scale.data() + t0);
           for (int64_t g = 0; g < group; ++g) {
             __m512i qv[C];
@@ -134,8 +113,8 @@ void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, 
                 const int8_t* v0 = vh + rows[t] + 32 * c0s;
                 const int8_t* v1 = vh + rows[t + 1] + 32 * c0s;
                 if (c0s == 0) {
-                  prefetch_int8_row(vh + rows[t + kAhead], D);
-                  prefetch_int8_row(vh + rows[t + 1 + kAhead], D);
+                  prefetch_l2(vh + rows[t + kAhead], D);
+                  prefetch_l2(vh + rows[t + 1 + kAhead], D);
                 }
                 __m512i pp[G];
                 for (int g = 0; g < G; ++g) {

@@ -180,6 +180,51 @@ inline void slot_rows(std::vector<int64_t>& rows, const int32_t* blocks, int64_t
   for (int64_t t = len; t < end; ++t) rows[t] = rows[len - 1];
 }
 
+// into L2 (prefetcht1)
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
+// One request's context in an 8-bit paged cache, for decode_attention_int8.cpp and
+// decode_attention_fp8.cpp: each token's slot, and its row's offset (slot * slot_stride
+// elements, one byte each), up to `end` (past len: the last row again).
+struct PagedRows {
+  std::vector<int64_t> slots, rows;
+  void prepare(const int32_t* blocks, int64_t len, int64_t end, int64_t block_size, int64_t slot_stride) {
+    slot_rows(slots, blocks, len, end, block_size, 1);
+    rows.resize(end);
+    for (int64_t t = 0; t < end; ++t) rows[t] = slots[t] * slot_stride;
+  }
+  // the first n tokens' K rows and scales of a kv head fetched into L2, before its first chunk
+  void prefetch_first(const float* ks, const float* vs, const void* kh, int64_t row_bytes, int64_t n,
+                      int64_t kv_heads) const {
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch_l2(ks + slots[t] * kv_heads, 1);
+      prefetch_l2(vs + slots[t] * kv_heads, 1);
+      prefetch_l2(static_cast<const char*>(kh) + rows[t], row_bytes);
+    }
+  }
+  // k_scale / v_scale[t0 .. t0 + 15] = the rows' scales times `unit` (ks, vs: one kv head's,
+  // slot i's at [i * kv_heads]); the K rows of `row_bytes` from kh and the scales `ahead`
+  // tokens on are fetched into L2 (the scales sit apart from the rows: unfetched, each block
+  // waited on two more misses), the scales once per cache line of them
+  void chunk_scales(float* k_scale, float* v_scale, const float* ks, const float* vs, const void* kh,
+                    int64_t row_bytes, int64_t t0, int64_t ahead, int64_t kv_heads, float unit) const {
+    const int64_t per_line = std::max<int64_t>(1, 16 / kv_heads);
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t now = slots[t0 + i] * kv_heads, next = slots[t0 + ahead + i] * kv_heads;
+      k_scale[t0 + i] = ks[now] * unit;
+      v_scale[t0 + i] = vs[now] * unit;
+      prefetch_l2(static_cast<const char*>(kh) + rows[t0 + ahead + i], row_bytes);
+      if (i % per_line == 0) {
+        prefetch_l2(ks + next, 1);
+        prefetch_l2(vs + next, 1);
+      }
+    }
+  }
+};
+
 #if defined(__AVX512F__)
 // r[i] = sum of the 16 lanes of a[i], for i < 16 (a transpose-and-add tree: 45 ops for
 // 16 sums where one reduce_add per sum would take about 8 each)
