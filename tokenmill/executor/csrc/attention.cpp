@@ -118,9 +118,6 @@ void decode_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v
 #if defined(__AVX512BF16__)
 // rows are fetched this many tokens ahead of their use, into L2
 constexpr int64_t kBf16Ahead = 32;
-inline void prefetch_bf16_row(const c10::BFloat16* p, int64_t D) {
-  for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
-}
 
 template <int D, int G>
 void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
@@ -148,7 +145,7 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
         // scores = (q . k) * scale for every head of the group, 16 tokens at a time: the
         // chunk's K rows are read from memory once and stay in L1 for the other heads
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
-          for (int i = 0; i < 16; ++i) prefetch_bf16_row(kh + rows[t0 + kBf16Ahead + i], D);
+          for (int i = 0; i < 16; ++i) prefetch_l2(kh + rows[t0 + kBf16Ahead + i], D * 2);
           for (int64_t g = 0; g < group; ++g) {
             __m512bh qv[C];
             for (int c = 0; c < C; ++c) qv[c] = load_bh(q + r * q_stride + (h * group + g) * D + 32 * c);
@@ -182,8 +179,8 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
           for (int64_t t = 0; t < len; t += 2) {
             const c10::BFloat16* v0 = vh + rows[t];
             const c10::BFloat16* v1 = vh + rows[t + 1];
-            prefetch_bf16_row(vh + rows[t + kBf16Ahead], D);
-            prefetch_bf16_row(vh + rows[t + 1 + kBf16Ahead], D);
+            prefetch_l2(vh + rows[t + kBf16Ahead], D * 2);
+            prefetch_l2(vh + rows[t + 1 + kBf16Ahead], D * 2);
             __m512bh p[G];
             for (int g = 0; g < G; ++g)
               p[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[g * padded / 2 + t / 2]));

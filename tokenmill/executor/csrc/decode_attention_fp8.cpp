@@ -145,23 +145,6 @@ void run_fp8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_
       num_kv_heads, block_size, block_table.size(1), scale);
 }
 
-template <typename T>
-bool run_fp8_for(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                 const torch::Tensor& v_cache, const float* k_scales, const float* v_scales,
-                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size, float scale) {
-  switch (k_cache.scalar_type()) {
-    case at::kFloat8_e4m3fn:
-      run_fp8<T, c10::Float8_e4m3fn>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens, block_size,
-                                     scale);
-      return true;
-    case at::kFloat8_e5m2:
-      run_fp8<T, c10::Float8_e5m2>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens, block_size,
-                                   scale);
-      return true;
-    default: return false;
-  }
-}
-
 }  // namespace
 
 // Runs the decode if this build and these shapes allow it; false leaves it to the caller.
@@ -171,15 +154,19 @@ bool paged_decode_attention_fp8(torch::Tensor& out, const torch::Tensor& q, cons
                                 const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
                                 float scale) {
   if (q.size(2) != 64 && q.size(2) != 128) return false;
-  switch (q.scalar_type()) {
-    case at::kFloat: return run_fp8_for<float>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
-                                               block_size, scale);
-    case at::kBFloat16: return run_fp8_for<c10::BFloat16>(out, q, k_cache, v_cache, k_scales, v_scales, block_table,
-                                                          seq_lens, block_size, scale);
-    case at::kHalf: return run_fp8_for<c10::Half>(out, q, k_cache, v_cache, k_scales, v_scales, block_table,
-                                                  seq_lens, block_size, scale);
-    default: return false;
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    return with_query_type(q.scalar_type(), [&](auto t) {
+      run_fp8<decltype(t), c10::Float8_e4m3fn>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
+                                              block_size, scale);
+    });
   }
+  if (k_cache.scalar_type() == at::kFloat8_e5m2) {
+    return with_query_type(q.scalar_type(), [&](auto t) {
+      run_fp8<decltype(t), c10::Float8_e5m2>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
+                                            block_size, scale);
+    });
+  }
+  return false;
 }
 
 #else

@@ -182,15 +182,9 @@ bool paged_decode_attention_int8(torch::Tensor& out, const torch::Tensor& q, con
                                  const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
                                  float scale) {
   if (k_cache.scalar_type() != at::kChar || (q.size(2) != 64 && q.size(2) != 128)) return false;
-  switch (q.scalar_type()) {
-    case at::kFloat: run_int8<float>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
-                                     block_size, scale); return true;
-    case at::kBFloat16: run_int8<c10::BFloat16>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
-                                                block_size, scale); return true;
-    case at::kHalf: run_int8<c10::Half>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens,
-                                        block_size, scale); return true;
-    default: return false;
-  }
+  return with_query_type(q.scalar_type(), [&](auto t) {
+    run_int8<decltype(t)>(out, q, k_cache, v_cache, k_scales, v_scales, block_table, seq_lens, block_size, scale);
+  });
 }
 
 #else

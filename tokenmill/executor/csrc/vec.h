@@ -186,6 +186,17 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
+// f(T{}) for the query's element type T (float, bfloat16 or float16); false for another dtype
+template <typename F>
+inline bool with_query_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); return true;
+    case at::kBFloat16: f(c10::BFloat16{}); return true;
+    case at::kHalf: f(c10::Half{}); return true;
+    default: return false;
+  }
+}
+
 // One request's context in an 8-bit paged cache, for decode_attention_int8.cpp and
 // decode_attention_fp8.cpp: each token's slot, and its row's offset (slot * slot_stride
 // elements, one byte each), up to `end` (past len: the last row again).

@@ -20,6 +20,7 @@ Opt-in until a device session has timed it against `_scaled_mm`: `TOKENMILL_FP8_
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -99,7 +100,9 @@ def plan(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
     return block_m, triton.cdiv(k, k_per_split), k_per_split
 
 
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
+    """Read once per device, not in every layer of every step."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
