@@ -8,7 +8,9 @@ One call = one layer's decode step: `batch` requests, each one query token over 
 float32 (what this engine runs where the CPU has no native bfloat16), int8, fp8_e4m3 and
 fp8_e5m2 (queries in bfloat16, each row's scale read beside it). Shapes: the built-in model's
 attention (4 heads, 2 kv heads, head dim 64) and a Llama-8B-like one (32 heads, 8 kv heads,
-head dim 128). Prints the median time per call and the ratio to bfloat16.
+head dim 128). The caches are allocated as the engine allocates its own, in huge pages where
+Linux gives them (executor/huge_pages.py; --small-pages: as torch.zeros, 4 KB pages). Prints
+the median time per call and the ratio to bfloat16.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from tokenmill.executor.attention.kv_cache import KVCache, quantize_rows
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
+from tokenmill.executor.huge_pages import device_zeros
 
 SHAPES = {"builtin (4/2 heads, d 64)": (4, 2, 64), "8b-like (32/8 heads, d 128)": (32, 8, 128)}
 CACHES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
@@ -48,7 +51,14 @@ def time_calls(fns: dict, budget_s: float) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def setup(kernels, heads, kv_heads, dim, batch, ctx, cache_name, shared=False):
+def in_pages(x: torch.Tensor, small_pages: bool) -> torch.Tensor:
+    """x copied into memory allocated as the engine allocates its cache (huge pages), or as
+    torch.zeros does (4 KB pages where Linux gives huge pages only when asked)"""
+    y = torch.zeros_like(x) if small_pages else device_zeros(tuple(x.shape), x.dtype, "cpu")
+    return y.copy_(x)
+
+
+def setup(kernels, heads, kv_heads, dim, batch, ctx, cache_name, shared=False, small_pages=False):
     """shared: every request reads the same blocks, so the context stays in the core's caches"""
     g = torch.Generator().manual_seed(0)
     blocks_per = -(-ctx // BLOCK)
@@ -61,7 +71,8 @@ def setup(kernels, heads, kv_heads, dim, batch, ctx, cache_name, shared=False):
         k, v, ks, vs = kv[0].to(dtype), kv[1].to(dtype), None, None
     else:
         (k, ks), (v, vs) = quantize_rows(kv[0], dtype), quantize_rows(kv[1], dtype)
-    cache = KVCache(torch.stack([k, v])[None], None if ks is None else torch.stack([ks, vs])[None])
+    cache = KVCache(*(None if x is None else in_pages(torch.stack(x)[None], small_pages)
+                      for x in ((k, v), None if ks is None else (ks, vs))))
     k, v, ks, vs = cache.layer(0)
     table = torch.randperm(num_blocks, generator=g).to(torch.int32)
     table = table[None].expand(batch, -1).contiguous() if shared else table.view(batch, blocks_per)
@@ -79,6 +90,8 @@ def main() -> None:
     parser.add_argument("--shared-blocks", action="store_true",
                         help="every request reads the same blocks: the context stays in cache, so the time is "
                              "the kernel's arithmetic (also prints ns per token and kv head per thread)")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="caches in 4 KB pages (torch.zeros), not in the engine's huge pages")
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
     kernels = load_cpu_kernels()
@@ -88,10 +101,14 @@ def main() -> None:
     results = []
     for shape_name, (heads, kv_heads, dim) in SHAPES.items():
         print(f"\n{shape_name}")
-        print(f"{'ctx':>6} " + " ".join(f"{c:>18}" for c in CACHES))
+        print(f"{'ctx':>6} " + " ".join(f"{c:>18}" for c in [*CACHES, *([] if args.small_pages else ["bf16 4KB"])]))
         for ctx in [int(c) for c in args.contexts.split(",")]:
-            row = time_calls({name: setup(kernels, heads, kv_heads, dim, args.batch, ctx, name, args.shared_blocks)
-                              for name in CACHES}, args.seconds)
+            fns = {name: setup(kernels, heads, kv_heads, dim, args.batch, ctx, name, args.shared_blocks,
+                               args.small_pages) for name in CACHES}
+            if not args.small_pages:  # what the huge pages give
+                fns["bf16 4KB"] = setup(kernels, heads, kv_heads, dim, args.batch, ctx, "bf16", args.shared_blocks,
+                                        small_pages=True)
+            row = time_calls(fns, args.seconds)
             base = row["bf16"]
             print(f"{ctx:>6} " + " ".join(f"{t * 1e3:8.3f}ms {base / t:5.2f}x " for t in row.values()))
             if args.shared_blocks:

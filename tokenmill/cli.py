@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenmill.bench.cli import add_bench_parser, run_bench
 from tokenmill.config import EngineConfig
+from tokenmill.executor.huge_pages import reexec_with_malloc_tunable
 
 # flag -> (EngineConfig field, argparse kwargs); names follow `vllm serve` where the idea is the same
 ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -175,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub, add_engine_args)
     return parser
+
+
+def entry() -> int:
+    """The `tokenmill` command: main() in a process whose malloc gives huge pages."""
+    reexec_with_malloc_tunable()
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:

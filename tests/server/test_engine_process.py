@@ -199,6 +199,8 @@ def test_tensor_parallel_core_answers_as_offline_and_stops_its_workers():
     try:
         workers = _children(srv.engine.pid)
         assert len(workers) == 1 and _alive(workers[0])
+        for pid in (srv.engine.pid, workers[0]):  # malloc advises huge pages there (executor/huge_pages.py)
+            assert b"glibc.malloc.hugetlb=1" in Path(f"/proc/{pid}/environ").read_bytes()
         llm = LLM(max_model_len=256, kv_cache_memory="16MiB", dtype="float32")
         offline = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
         for prompt, out in zip(PROMPTS, offline):

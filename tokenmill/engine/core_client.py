@@ -38,6 +38,7 @@ from tokenmill.engine.input_processor import EngineLimits, InputProcessor
 from tokenmill.engine.outputs import failed_output
 from tokenmill.engine.ray_core import RayCoreProcess, import_ray
 from tokenmill.engine.request import Request, RequestOutput
+from tokenmill.executor.huge_pages import huge_page_env
 from tokenmill.executor.loader import resolve_model_path
 
 logger = logging.getLogger("tokenmill")
@@ -86,7 +87,7 @@ class _Core:
             else:
                 # a plain subprocess (not multiprocessing's spawn, which re-runs the caller's main module)
                 self.process = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"],
-                                                stdin=subprocess.PIPE)
+                                                stdin=subprocess.PIPE, env=huge_page_env())
                 assert self.process.stdin is not None
                 self.process.stdin.write(pickle.dumps(args))
                 self.process.stdin.close()

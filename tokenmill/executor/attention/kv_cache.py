@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.executor.huge_pages import device_zeros
+
 # kv_cache_dtype -> the storage dtype (None: the model's); vLLM's names
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -51,8 +53,8 @@ class KVCache:
     def allocate(cls, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> KVCache:
         """dtype: the model's, or an 8-bit one of QMAX (then with scales)."""
-        data = torch.zeros((num_layers, 2, num_slots, kv_heads, head_dim), dtype=dtype, device=device)
-        scales = (torch.ones((num_layers, 2, num_slots, kv_heads), dtype=torch.float32, device=device)
+        data = device_zeros((num_layers, 2, num_slots, kv_heads, head_dim), dtype, device)
+        scales = (device_zeros((num_layers, 2, num_slots, kv_heads), torch.float32, device).fill_(1.0)
                   if dtype in QMAX else None)
         return cls(data, scales)
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.executor.distributed.parallel import TensorParallel, split_cpus
+from tokenmill.executor.huge_pages import huge_page_env
 
 logger = logging.getLogger("tokenmill")
 
@@ -60,7 +61,7 @@ class TensorParallelWorkers:
         self._finalizer = weakref.finalize(self, _end, self.procs)
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.executor.distributed.worker_proc"],
-                                    stdin=subprocess.PIPE)
+                                    stdin=subprocess.PIPE, env=huge_page_env())
             pickle.dump(dict(rank=rank, size=size, port=port, backend=backend, cpus=cpus[rank],
                              log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
                              runner_args=runner_args), proc.stdin)
