@@ -14,7 +14,8 @@
 // bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes a faster path still
 // (decode_attention_bf16): q.k and p.v by vdpbf16ps (bf16 products, float32 sums), 16
 // scores reduced at once, the output accumulated in registers. As in PyTorch's CPU flash
-// attention, the probabilities are rounded to bfloat16 before p.v. Its K rows are read once
+// attention, the probabilities are rounded to bfloat16 before p.v (unnormalised, e^(s - max):
+// the sum divides the output; softmax_weighted in vec.h). Its K rows are read once
 // for all the heads of a GQA group (a 16-token chunk stays in L1 while each head's scores
 // are taken) and the rows are prefetched into L2. Before (each head swept the whole context
 // for its scores, nothing prefetched) it was 0.44-0.88x the AVX2 kernel's speed past 16 MB
@@ -131,7 +132,7 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
   std::atomic<int64_t> next_job{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<int64_t> rows;  // element offset of each context token's slot
-    std::vector<float> scores;  // [group][token], rows padded to a multiple of 32
+    std::vector<float> scores, inv_sum(group);  // [group][token], rows padded to a multiple of 32
     std::vector<uint32_t> probs;  // [group][token pair]: two bf16 probabilities per 32 bits
     for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
       const int64_t len = seq_lens[r];
@@ -160,8 +161,7 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
         }
         for (int64_t g = 0; g < group; ++g) {
           float* s = scores.data() + g * padded;
-          softmax_inplace(s, len);
-          for (int64_t t = len; t < padded; ++t) s[t] = 0.f;
+          inv_sum[g] = softmax_weighted(s, nullptr, len, padded).inv_sum;  // applied to the output
           // to bf16, two per 32 bits: pair j holds tokens 2j (low half) and 2j + 1
           uint32_t* pg = probs.data() + g * padded / 2;
           for (int64_t t = 0; t < padded; t += 32) {
@@ -195,7 +195,9 @@ void decode_attention_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::
           }
           for (int g = 0; g < G; ++g) {
             c10::BFloat16* o = out + (r * num_heads + head0 + g) * D;
-            for (int c = 0; c < C; ++c) store_unpacked(o + 32 * c, lo[g][c], hi[g][c]);
+            const __m512 inv = _mm512_set1_ps(inv_sum[head0 - h * group + g]);
+            for (int c = 0; c < C; ++c)
+              store_unpacked(o + 32 * c, _mm512_mul_ps(lo[g][c], inv), _mm512_mul_ps(hi[g][c], inv));
           }
         }
       }

@@ -10,10 +10,10 @@
 //   scores  a 16-token chunk of K rows is widened once into a float buffer that stays in L1;
 //           each head's q.k reads it by FMA, 16 scores reduced at once (hsum16), times the
 //           rows' scales.
-//   p.v     the probabilities (times the V rows' scales) in float; each V row widened once
-//           per slice of the row and multiplied into all the group's heads, whose sums stay in
-//           registers (G x S <= 16), chunks of kValueChunk tokens read from L1 by the slices
-//           after the first.
+//   p.v     the probabilities (times the V rows' scales; the sum of e^(s - max) divides the
+//           output) in float; each V row widened once per slice of the row and multiplied
+//           into all the group's heads, whose sums stay in registers (G x S <= 16), chunks
+//           of kValueChunk tokens read from L1 by the slices after the first.
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -53,7 +53,7 @@ void decode_attention_fp8(const T* q, int64_t q_stride, const C* k_cache, const 
   std::atomic<int64_t> next_job{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     PagedRows paged;
-    std::vector<float> k_scale, v_scale, qf(group * D), scores, acc(G * D);
+    std::vector<float> k_scale, v_scale, qf(group * D), scores, acc(G * D), inv_sum(group);
     alignas(64) float kw[16 * D];  // a chunk's K rows widened
     for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
       const int64_t len = seq_lens[r];
@@ -92,9 +92,7 @@ void decode_attention_fp8(const T* q, int64_t q_stride, const C* k_cache, const 
           }
         }
         for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * padded;
-          softmax_inplace(s, len);
-          for (int64_t t = 0; t < len; ++t) s[t] *= v_scale[t];
+          inv_sum[g] = softmax_weighted(scores.data() + g * padded, v_scale.data(), len, padded).inv_sum;
         }
         for (int64_t head0 = 0; head0 < group; head0 += G) {
           std::fill(acc.begin(), acc.end(), 0.f);  // [G][D]
@@ -118,7 +116,7 @@ void decode_attention_fp8(const T* q, int64_t q_stride, const C* k_cache, const 
                 for (int c = 0; c < S; ++c) _mm512_storeu_ps(acc.data() + g * D + 16 * (s0 + c), a[g][c]);
             }
           }
-          for (int64_t i = 0; i < G * D; ++i) acc[i] *= kUnit<C>;
+          for (int64_t i = 0; i < G * D; ++i) acc[i] *= kUnit<C> * inv_sum[head0 + i / D];
           store_row(out + (r * num_heads + h * group + head0) * D, acc.data(), G * D);
         }
       }

@@ -7,8 +7,8 @@
 //   scores  each head's query (times the softmax scale) rounded to int16 against its largest
 //           value; q.k of 32 values a vpdpwssd (int16 pairs, int32 sums) on the K row widened
 //           to int16; 16 tokens' sums reduced at once (hsum16), then times the rows' scales.
-//           The K rows of a 16-token chunk are read from memory once and stay in L1 for the
-//           group's other heads.
+//           The K rows of a 16-token chunk are read from memory once, and where heads share
+//           them (GQA) widened once into an L1 buffer for all of them.
 //   softmax over the context, each probability times its V row's scale, then rounded to
 //           int16 against the head's largest (an error of at most 2^-16 of it per token).
 //   p.v     two tokens' V rows widened and interleaved, so one vpdpwssd adds p[t] v[t][e] +
@@ -34,14 +34,22 @@ inline __m512i load_i16(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// out[0:n] = x[0:n] rounded to int16 against its largest magnitude; returns the scale s, x ~= out * s
-inline float round_to_int16(const float* x, int16_t* out, int64_t n) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[i]));
+// out[0:n] = x[0:n] rounded (to nearest, ties to even) to int16 against amax, their largest
+// magnitude, n a multiple of 16; returns the scale s, x ~= out * s
+inline float round_to_int16(const float* x, int16_t* out, int64_t n, float amax) {
   const float s = amax > 0.f ? amax / 32767.f : 1.f;
-  const float inv = 1.f / s;
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
+  const __m512 inv = _mm512_set1_ps(1.f / s);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtsepi32_epi16(r));
+  }
   return s;
+}
+
+inline float absmax(const float* x, int64_t n) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  return _mm512_reduce_max_ps(m);
 }
 
 template <int D, int G, typename T>
@@ -58,6 +66,7 @@ void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, 
     PagedRows paged;
     std::vector<float> k_scale, v_scale, qf(D), scores, acc(G * D), q_scale(group), p_scale(group);
     std::vector<int16_t> qi(group * D), pi;  // queries [group][D], probabilities [group][padded]
+    alignas(64) int16_t wide[16 * D];  // a chunk's K rows in int16, where a GQA group shares them
     for (int64_t r = next_job++; r < num_reqs; r = next_job++) {
       const int64_t len = seq_lens[r];
       const int64_t padded = (len + 32) / 32 * 32;  // past len: the last row again, weighed 0
@@ -75,19 +84,26 @@ void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, 
         paged.prefetch_first(ksh, vsh, kh, D, std::min(kAhead, padded), num_kv_heads);
         for (int64_t g = 0; g < group; ++g) {
           load_row(q + r * q_stride + (h * group + g) * D, qf.data(), D);
-          q_scale[g] = round_to_int16(qf.data(), qi.data() + g * D, D) * scale;
+          q_scale[g] = round_to_int16(qf.data(), qi.data() + g * D, D, absmax(qf.data(), D)) * scale;
         }
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
           paged.chunk_scales(k_scale.data(), v_scale.data(), ksh, vsh, kh, D, t0, kAhead, num_kv_heads, 1.f);
           const __m512 ks = _mm512_loadu_ps(k_scale.data() + t0);
+          if (group > 1) {  // the chunk's rows widened once for the group's heads
+            for (int i = 0; i < 16; ++i)
+              for (int c = 0; c < C; ++c)
+                _mm512_store_si512(wide + i * D + 32 * c, load_i16(kh + rows[t0 + i] + 32 * c));
+          }
           for (int64_t g = 0; g < group; ++g) {
             __m512i qv[C];
             for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(qi.data() + g * D + 32 * c);
             __m512 dots[16];
             for (int i = 0; i < 16; ++i) {
               const int8_t* k = kh + rows[t0 + i];
-              __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), load_i16(k), qv[0]);
-              for (int c = 1; c < C; ++c) d = _mm512_dpwssd_epi32(d, load_i16(k + 32 * c), qv[c]);
+              const int16_t* w = wide + i * D;
+              auto row = [&](int c) { return group > 1 ? _mm512_load_si512(w + 32 * c) : load_i16(k + 32 * c); };
+              __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), row(0), qv[0]);
+              for (int c = 1; c < C; ++c) d = _mm512_dpwssd_epi32(d, row(c), qv[c]);
               dots[i] = _mm512_cvtepi32_ps(d);
             }
             const __m512 s = _mm512_mul_ps(hsum16(dots), _mm512_mul_ps(ks, _mm512_set1_ps(q_scale[g])));
@@ -96,10 +112,8 @@ void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* k_cache, 
         }
         for (int64_t g = 0; g < group; ++g) {
           float* s = scores.data() + g * padded;
-          softmax_inplace(s, len);
-          for (int64_t t = 0; t < len; ++t) s[t] *= v_scale[t];
-          for (int64_t t = len; t < padded; ++t) s[t] = 0.f;
-          p_scale[g] = round_to_int16(s, pi.data() + g * padded, padded);
+          const Weighted p = softmax_weighted(s, v_scale.data(), len, padded);
+          p_scale[g] = round_to_int16(s, pi.data() + g * padded, padded, p.amax) * p.inv_sum;
         }
         for (int64_t head0 = 0; head0 < group; head0 += G) {
           std::fill(acc.begin(), acc.end(), 0.f);  // [G][C][lo 16 | hi 16], unpack_pairs' order

@@ -197,15 +197,78 @@ inline bool with_query_type(at::ScalarType dtype, F&& f) {
   }
 }
 
+#if defined(__AVX512F__)
+// x[0], x[stride], ..., x[15 * stride]: a load, two loads and a permute, or a gather
+inline __m512 strided16(const float* x, int64_t stride) {
+  if (stride == 1) return _mm512_loadu_ps(x);
+  if (stride == 2) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(x), even, _mm512_loadu_ps(x + 16));
+  }
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int32_t>(stride)));
+  return _mm512_i32gather_ps(index, x, 4);
+}
+
+// e^x in 16 lanes, to about 1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to r^6
+// (error under r^7 / 7! = 2e-7 of it), times 2^n by vscalefps; 0 below -87 (float's smallest normal)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts: n ln2 exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Weighted {
+  float inv_sum;  // 1 / the sum of e^(s - max): the softmax's normalisation, left to the caller
+  float amax;     // the largest p
+};
+
+// p[t] = e^(s[t] - max s) w[t] in place for t < len, 0 from len to padded (a multiple of 16):
+// the softmax of a head's scores unnormalised, each probability times its V row's scale (w
+// null: none, as for a 16-bit cache), in
+// three passes over AVX-512 registers (max; exp, sum, scale and largest; what is left of the
+// padding) where a loop per step (max, exp, normalise, scale, largest) ran in 256-bit ones
+inline Weighted softmax_weighted(float* s, const float* w, int64_t len, int64_t padded) {
+  __m512 mx[4];
+  for (auto& m : mx) m = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  int64_t t = 0;
+  for (; t + 64 <= len; t += 64)
+    for (int j = 0; j < 4; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(s + t + 16 * j));
+  for (; t < len; t += 16) {
+    const __mmask16 m = len - t >= 16 ? 0xffff : (1u << (len - t)) - 1;
+    mx[0] = _mm512_mask_max_ps(mx[0], m, mx[0], _mm512_maskz_loadu_ps(m, s + t));
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]),
+                                                                         _mm512_max_ps(mx[2], mx[3]))));
+  __m512 sum = _mm512_setzero_ps(), amax = _mm512_setzero_ps();
+  for (t = 0; t < padded; t += 16) {
+    const __mmask16 m = len - t >= 16 ? 0xffff : len > t ? (1u << (len - t)) - 1 : 0;
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)));
+    const __m512 p = w == nullptr ? e : _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, w + t));
+    sum = _mm512_add_ps(sum, e);
+    amax = _mm512_max_ps(amax, p);
+    _mm512_storeu_ps(s + t, p);
+  }
+  return {1.f / _mm512_reduce_add_ps(sum), _mm512_reduce_max_ps(amax)};
+}
+#endif
+
 // One request's context in an 8-bit paged cache, for decode_attention_int8.cpp and
 // decode_attention_fp8.cpp: each token's slot, and its row's offset (slot * slot_stride
 // elements, one byte each), up to `end` (past len: the last row again).
 struct PagedRows {
   std::vector<int64_t> slots, rows;
+  bool whole_chunks = false;  // every 16-token chunk (t0 a multiple of 16) lies in one block
   void prepare(const int32_t* blocks, int64_t len, int64_t end, int64_t block_size, int64_t slot_stride) {
     slot_rows(slots, blocks, len, end, block_size, 1);
     rows.resize(end);
     for (int64_t t = 0; t < end; ++t) rows[t] = slots[t] * slot_stride;
+    whole_chunks = block_size % 16 == 0;
   }
   // the first n tokens' K rows and scales of a kv head fetched into L2, before its first chunk
   void prefetch_first(const float* ks, const float* vs, const void* kh, int64_t row_bytes, int64_t n,
@@ -218,17 +281,30 @@ struct PagedRows {
   }
   // k_scale / v_scale[t0 .. t0 + 15] = the rows' scales times `unit` (ks, vs: one kv head's,
   // slot i's at [i * kv_heads]); the K rows of `row_bytes` from kh and the scales `ahead`
-  // tokens on are fetched into L2 (the scales sit apart from the rows: unfetched, each block
-  // waited on two more misses), the scales once per cache line of them (a line compared with
-  // the last one fetched: a division per token here took a fifth of the int8 kernel's time)
+  // tokens on (a multiple of 16) are fetched into L2 (the scales sit apart from the rows:
+  // unfetched, each block waited on two more misses). Where a chunk lies in one block its
+  // slots follow each other: two gathers and a prefetch per line of scales. Otherwise a slot
+  // at a time, a scale line fetched when it changes (a division per token to find them took
+  // a fifth of the int8 kernel's time). Past a context's end a chunk's scales are its block's
+  // other slots' (their scores are dropped).
   void chunk_scales(float* k_scale, float* v_scale, const float* ks, const float* vs, const void* kh,
                     int64_t row_bytes, int64_t t0, int64_t ahead, int64_t kv_heads, float unit) const {
+    for (int64_t i = 0; i < 16; ++i) prefetch_l2(static_cast<const char*>(kh) + rows[t0 + ahead + i], row_bytes);
+#if defined(__AVX512F__)
+    if (whole_chunks) {
+      const int64_t now = slots[t0] * kv_heads, next = slots[t0 + ahead] * kv_heads;
+      _mm512_storeu_ps(k_scale + t0, _mm512_mul_ps(strided16(ks + now, kv_heads), _mm512_set1_ps(unit)));
+      _mm512_storeu_ps(v_scale + t0, _mm512_mul_ps(strided16(vs + now, kv_heads), _mm512_set1_ps(unit)));
+      prefetch_l2(ks + next, 16 * kv_heads * sizeof(float));
+      prefetch_l2(vs + next, 16 * kv_heads * sizeof(float));
+      return;
+    }
+#endif
     uintptr_t fetched = 0;
     for (int64_t i = 0; i < 16; ++i) {
       const int64_t now = slots[t0 + i] * kv_heads, next = slots[t0 + ahead + i] * kv_heads;
       k_scale[t0 + i] = ks[now] * unit;
       v_scale[t0 + i] = vs[now] * unit;
-      prefetch_l2(static_cast<const char*>(kh) + rows[t0 + ahead + i], row_bytes);
       const uintptr_t line = reinterpret_cast<uintptr_t>(ks + next) >> 6;
       if (line != fetched) {
         fetched = line;
