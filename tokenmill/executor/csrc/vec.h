@@ -203,7 +203,8 @@ inline __m512 strided16(const float* x, int64_t stride) {
   if (stride == 1) return _mm512_loadu_ps(x);
   if (stride == 2) {
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    return _mm512_permutex2var_ps(_mm512_loadu_ps(x), even, _mm512_loadu_ps(x + 16));
+    // x[16 .. 30] only: x[31] may lie past the scales' last slot
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(x), even, _mm512_maskz_loadu_ps(0x7fff, x + 16));
   }
   const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32(static_cast<int32_t>(stride)));
@@ -211,7 +212,8 @@ inline __m512 strided16(const float* x, int64_t stride) {
 }
 
 // e^x in 16 lanes, to about 1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to r^6
-// (error under r^7 / 7! = 2e-7 of it), times 2^n by vscalefps; 0 below -87 (float's smallest normal)
+// (error under r^7 / 7! = 2e-7 of it), times 2^n by vscalefps; x clamped at -87 (e^-87 is near
+// float's smallest normal)
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
