@@ -14,6 +14,7 @@
 //           output) in float; each V row widened once per slice of the row and multiplied
 //           into all the group's heads, whose sums stay in registers (G x S <= 16), chunks
 //           of kValueChunk tokens read from L1 by the slices after the first.
+#include "dispatch.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -129,18 +130,12 @@ void run_fp8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_
              const float* k_scales, const float* v_scales, const torch::Tensor& block_table,
              const torch::Tensor& seq_lens, int64_t block_size, float scale) {
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
-  // G query heads share each V row (the whole group, up to 8), in slices of the row that fit the registers
-  auto run = q.size(2) == 64 ? (group % 8 == 0   ? decode_attention_fp8<64, 8, T, C>
-                                : group % 4 == 0 ? decode_attention_fp8<64, 4, T, C>
-                                : group % 2 == 0 ? decode_attention_fp8<64, 2, T, C>
-                                                 : decode_attention_fp8<64, 1, T, C>)
-                             : (group % 8 == 0   ? decode_attention_fp8<128, 8, T, C>
-                                : group % 4 == 0 ? decode_attention_fp8<128, 4, T, C>
-                                : group % 2 == 0 ? decode_attention_fp8<128, 2, T, C>
-                                                 : decode_attention_fp8<128, 1, T, C>);
-  run(q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), k_scales, v_scales,
-      block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), num_heads,
-      num_kv_heads, block_size, block_table.size(1), scale);
+  with_head_dim_and_group(q.size(2), group, [&](auto d, auto g) {
+    decode_attention_fp8<decltype(d)::value, decltype(g)::value, T, C>(
+        q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), k_scales, v_scales,
+        block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), num_heads,
+        num_kv_heads, block_size, block_table.size(1), scale);
+  });
 }
 
 }  // namespace

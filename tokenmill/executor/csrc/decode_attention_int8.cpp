@@ -18,6 +18,7 @@
 //           overflow (2 * 32767 * 127 * kIntChunk / 2 < 2^31).
 // Rows are prefetched kAhead tokens ahead into L2. Against the AVX2 kernel (256-bit vpmaddwd
 // and separate adds) this does twice the work an instruction.
+#include "dispatch.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -173,18 +174,12 @@ void run_int8(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k
               const float* k_scales, const float* v_scales, const torch::Tensor& block_table,
               const torch::Tensor& seq_lens, int64_t block_size, float scale) {
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
-  // G query heads share each V row (the whole group, up to 8), in slices of the row that fit the registers
-  auto run = q.size(2) == 64 ? (group % 8 == 0   ? decode_attention_int8<64, 8, T>
-                                : group % 4 == 0 ? decode_attention_int8<64, 4, T>
-                                : group % 2 == 0 ? decode_attention_int8<64, 2, T>
-                                                 : decode_attention_int8<64, 1, T>)
-                             : (group % 8 == 0   ? decode_attention_int8<128, 8, T>
-                                : group % 4 == 0 ? decode_attention_int8<128, 4, T>
-                                : group % 2 == 0 ? decode_attention_int8<128, 2, T>
-                                                 : decode_attention_int8<128, 1, T>);
-  run(q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scales, v_scales,
-      block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), num_heads,
-      num_kv_heads, block_size, block_table.size(1), scale);
+  with_head_dim_and_group(q.size(2), group, [&](auto d, auto g) {
+    decode_attention_int8<decltype(d)::value, decltype(g)::value, T>(
+        q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scales, v_scales,
+        block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<T>(), q.size(0), num_heads,
+        num_kv_heads, block_size, block_table.size(1), scale);
+  });
 }
 
 }  // namespace

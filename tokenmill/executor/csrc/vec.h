@@ -186,17 +186,6 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
-// f(T{}) for the query's element type T (float, bfloat16 or float16); false for another dtype
-template <typename F>
-inline bool with_query_type(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat: f(float{}); return true;
-    case at::kBFloat16: f(c10::BFloat16{}); return true;
-    case at::kHalf: f(c10::Half{}); return true;
-    default: return false;
-  }
-}
-
 #if defined(__AVX512F__)
 // x[0], x[stride], ..., x[15 * stride]: a load, two loads and a permute, or a gather
 inline __m512 strided16(const float* x, int64_t stride) {
