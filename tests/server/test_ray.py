@@ -43,6 +43,8 @@ def test_replicas_are_ray_actors_and_answer_as_offline(ray_server):
         actor = replica._core.process.actor
         assert ray.get(actor.pid.remote()) == replica.pid
         assert Path(f"/proc/{replica.pid}/cmdline").read_text().startswith("ray::EngineCoreActor")
+        # started with glibc's huge-page malloc tunable, as a subprocess core is
+        assert b"glibc.malloc.hugetlb=1" in Path(f"/proc/{replica.pid}/environ").read_bytes()
     llm = LLM(max_model_len=256, kv_cache_memory="16MiB", dtype="float32")
     offline = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
     answers: dict[int, dict] = {}

@@ -81,14 +81,20 @@ class RayCoreProcess:
     """An engine core running in an EngineCoreActor, seen as a process: poll, kill, wait."""
 
     def __init__(self, args: dict[str, Any], num_cpus: int, start_timeout: float) -> None:
+        from tokenmill.executor.huge_pages import huge_page_env
         ray = import_ray()
         self._ray = ray
         actor_cls = ray.remote(EngineCoreActor)
         # a GPU each when the engine runs on CUDA (Ray hides the devices an actor did not ask for)
         num_gpus = 1 if args["config"].device == "cuda" or (args["config"].device == "auto"
                                                             and _cuda_available()) else 0
+        # glibc's huge-page malloc tunable as for a core started as a subprocess (Ray starts a
+        # worker process for an actor with its own env_vars, so glibc reads it at start-up)
+        tunables = huge_page_env().get("GLIBC_TUNABLES")
+        runtime_env = {"env_vars": {"GLIBC_TUNABLES": tunables}} if tunables else None
         # two threads: run() keeps one, pid() and the like answer on the other
-        self.actor = actor_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2).remote()
+        self.actor = actor_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2,
+                                       runtime_env=runtime_env).remote()
         self.pid: int = ray.get(self.actor.pid.remote(), timeout=start_timeout)
         self._run = self.actor.run.remote(args)
         self.returncode: int | None = None
