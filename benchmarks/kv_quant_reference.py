@@ -72,7 +72,7 @@ def greedy(model, batches, fn=None) -> list[list[int]]:
     for ids, mask in batches:
         cache = RoundingCache(fn, model.config) if fn else None
         with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+            gen = model.generate(input_ids=ids, attention_mask=mask, cache=cache, do_sample=False,
                                  max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         out += gen[:, ids.shape[1]:].tolist()
     return out
