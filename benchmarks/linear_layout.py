@@ -9,8 +9,9 @@ Prints microseconds per call (best of 5 runs) and marks the layers that `Linear.
 plain as well as packed (fewer than SMALL_FLOAT32_WEIGHT elements), which run steps of up
 to SMALL_ROWS rows through `small_linear`. Where the CPU has AVX512-BF16, a second table does
 the same for bfloat16 weights: oneDNN's packed call against `small_linear_bf16` (up to 16 rows,
-the weight laid out by `pack_bf16_pairs`), at those shapes and at a wider model's (hidden 2048),
-with the rows `Linear.pack` gives each (`small_bfloat16_rows`). A layer alone keeps its weights in cache; in a
+the weight laid out by `pack_bf16_pairs`) and, where the CPU has AMX, `amx_linear` (up to
+AMX_ROWS rows, the same layout), at those shapes and at a wider model's (hidden 2048), with the
+rows `Linear.pack` gives each. A layer alone keeps its weights in cache; in a
 model they are read from memory each forward, so the script then times whole forwards (1,
 2, 5 and 8 tokens over a 450-token context, logits and argmax) of the built-in model and
 its draft in float32, taking turns, with the other model's forward in between as in a
@@ -18,11 +19,12 @@ speculative step: every layer packed; small ones plain through MKL up to PLAIN_R
 (what `Linear` does without the CPU kernels); and through `small_linear` (what it does).
 
 `--engine 1,4,16` then runs the built-in model's engine at those concurrencies with and
-without `small_linear` (two engines in one process taking turns, benchmarks/speculative.py's
+without its small-step kernel (engines in one process taking turns, benchmarks/speculative.py's
 completion prompts, greedy, 128 tokens each) and prints the output tokens/s and TPOT ratios,
 the median of `--engine-rounds` rounds, and whether the outputs were identical. The engine
 runs in its default dtype: bfloat16 where the CPU has AVX512-BF16, where the kernel is
-`small_linear_bf16` (without it, every step takes oneDNN's packed call); else float32.
+`small_linear_bf16` (without it, every step takes oneDNN's packed call), and where it also has
+AMX, a third engine runs `amx_linear`; else float32 and `small_linear`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -37,8 +40,8 @@ from torch.nn import functional as F
 
 import tokenmill.executor.layers.linear as linear
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
-from tokenmill.executor.layers.linear import (PLAIN_ROWS, SMALL_BFLOAT16_WEIGHT, SMALL_FLOAT32_WEIGHT, SMALL_ROWS,
-                                              pack_bf16_pairs, small_bfloat16_rows)
+from tokenmill.executor.layers.linear import (AMX_ROWS, PLAIN_ROWS, SMALL_BFLOAT16_WEIGHT, SMALL_FLOAT32_WEIGHT,
+                                              SMALL_ROWS, pack_bf16_pairs, small_bfloat16_rows)
 
 # (out, in): built-in target, its draft, the 56M model of cpu_throughput.py
 SHAPES = {"target": [(512, 256), (256, 256), (1408, 256), (256, 704), (8192, 256)],
@@ -90,16 +93,19 @@ def main() -> None:
             kept = f"plain too, up to {SMALL_ROWS} rows" if w.numel() < SMALL_FLOAT32_WEIGHT else "packed"
             print(f"| {model} | {out_features} x {in_features} | {kept} | " + " | ".join(cells) + " |", flush=True)
     if kernels is not None and kernels.has_small_linear_bf16:
-        bfloat16_table(kernels.small_linear_bf16)
+        bfloat16_table(kernels)
     whole_forwards(args.repeats, small is not None)
     if args.engine and small is not None:
         engine_ab(args.engine, args.engine_rounds)
 
 
-def bfloat16_table(kernel) -> None:
-    """bfloat16 weights: oneDNN's packed call against small_linear_bf16, us per call."""
-    rows = [1, 2, 4, 5, 8, 12, 16]
-    print("\nbfloat16: us per call, packed / small_linear_bf16 (* the rows Linear runs through the kernel)\n")
+def bfloat16_table(kernels) -> None:
+    """bfloat16 weights: oneDNN's packed call against small_linear_bf16 (up to 16 rows) and, where
+    the CPU has AMX, amx_linear (up to AMX_ROWS), us per call."""
+    amx = kernels.has_amx_linear
+    rows = [1, 2, 4, 5, 8, 12, 16] + ([20, AMX_ROWS] if amx else [])
+    print("\nbfloat16: us per call, packed / small_linear_bf16" + (" / amx_linear" if amx else "")
+          + " (* the rows Linear runs through a kernel)\n")
     print("| model | out x in | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("|---|---|" + "---|" * len(rows))
     shapes = {**SHAPES, "wide": [(4096, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]}
@@ -107,14 +113,19 @@ def bfloat16_table(kernel) -> None:
         for out_features, in_features in pairs:
             w = torch.randn(out_features, in_features, dtype=torch.bfloat16)
             packed, small = torch.ops.mkldnn._reorder_linear_weight(w, 64), pack_bf16_pairs(w)
-            kept = small_bfloat16_rows(w.numel()) if w.numel() < SMALL_BFLOAT16_WEIGHT else 0
+            kept = 0
+            if w.numel() < SMALL_BFLOAT16_WEIGHT:
+                kept = AMX_ROWS if amx and in_features % 32 == 0 else small_bfloat16_rows(w.numel())
             cells = []
             for m in rows:
                 x = torch.randn(m, in_features, dtype=torch.bfloat16)
                 calls = max(20, 2000 // m)
-                a = best_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), calls)
-                b = best_us(lambda: kernel(x, small, None, out_features), calls)
-                cells.append(f"{a:.0f} / {b:.0f}" + ("*" if m <= kept else ""))
+                times = [best_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), calls)]
+                times.append(best_us(lambda: kernels.small_linear_bf16(x, small, None, out_features), calls)
+                             if m <= 16 else float("nan"))
+                if amx:
+                    times.append(best_us(lambda: kernels.amx_linear(x, small, None, out_features), calls))
+                cells.append(" / ".join("-" if t != t else f"{t:.0f}" for t in times) + ("*" if m <= kept else ""))
             print(f"| {model} | {out_features} x {in_features} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -183,32 +194,55 @@ def whole_forwards(repeats: int, small: bool) -> None:
         print(f"| {model} | " + " | ".join(cells) + " |", flush=True)
 
 
+def without_amx(llm):
+    """`llm` with its bfloat16 layers on small_linear_bf16 where they had amx_linear (the same
+    weight layout; the rows small_linear_bf16 takes as `Linear.pack` gives them without AMX)."""
+    kernels = load_cpu_kernels()
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, linear.Linear) and getattr(module.small_kernel, "func", None) is kernels.amx_linear:
+            module.small_kernel = partial(kernels.small_linear_bf16, out=module.out_features)
+            module.small_rows = small_bfloat16_rows(module.out_features * 2 * module.small.shape[1])
+    return llm
+
+
 def engine_ab(concurrencies: list[int], rounds: int) -> None:
-    """The engine with `small_linear` against itself without it (MKL up to PLAIN_ROWS rows)."""
+    """The engine with its small-step kernels against itself without them (float32: MKL up to
+    PLAIN_ROWS rows; bfloat16: oneDNN's packed call), and, where the CPU has AMX, with
+    amx_linear against small_linear_bf16."""
     from speculative import function_prompts, run, run_turns, split_files
 
     from tokenmill import LLM
     _, val_files = split_files()
     prompts = [prompt for prompt, _ in function_prompts(val_files, 2 * max(max(concurrencies), 4))]
-    print("\nthe engine, output tokens/s and TPOT: small_linear against MKL (median of rounds)\n")
-    print("| concurrency | tok/s, MKL | tok/s, small_linear | ratio | TPOT ratio | identical outputs |\n|---|---|---|---|---|---|")
+    kernels = load_cpu_kernels()
+    amx = kernels.has_amx_linear
+    variants = {"none": without_small_linear, "small_linear": without_amx if amx else lambda llm: llm}
+    if amx:
+        variants["amx_linear"] = lambda llm: llm
+    names = list(variants)
+    last = names[-1]
+    print("\nthe engine, output tokens/s (median of rounds): " + ", ".join(names)
+          + f"; the ratios of {last}'s tok/s and TPOT to each other's\n")
+    print("| concurrency | " + " | ".join(f"tok/s, {n}" for n in names) + " | "
+          + " | ".join(f"vs {n}: tok/s / TPOT" for n in names[:-1]) + " | identical outputs |")
+    print("|---|" + "---|" * (2 * len(names)))
     for c in concurrencies:
         batch = prompts[:max(2 * c, 8)]
-        llms = {"mkl": without_small_linear(LLM(None, dtype="auto", max_num_seqs=c)),
-                "small_linear": LLM(None, dtype="auto", max_num_seqs=c)}
+        llms = {name: make(LLM(None, dtype="auto", max_num_seqs=c)) for name, make in variants.items()}
         for llm in llms.values():
             run(llm, batch[:2])  # warm-up
         results = []
         for r in range(rounds):
-            order = list(llms)[r % 2:] + list(llms)[:r % 2]
+            order = names[r % len(names):] + names[:r % len(names)]
             results.append(run_turns({name: llms[name] for name in order}, batch, 0.5))
-        tps = {name: statistics.median(x[name]["output_throughput"] for x in results) for name in llms}
-        ratio = statistics.median(x["small_linear"]["output_throughput"] / x["mkl"]["output_throughput"]
-                                  for x in results)
-        tpot = statistics.median(x["mkl"]["tpot_ms"] / x["small_linear"]["tpot_ms"] for x in results)
-        same = all(x["mkl"]["token_ids"] == x["small_linear"]["token_ids"] for x in results)
-        print(f"| {c} | {tps['mkl']:.0f} | {tps['small_linear']:.0f} | {ratio:.2f}x | {tpot:.2f}x | {same} |",
+        tps = [statistics.median(x[name]["output_throughput"] for x in results) for name in names]
+        ratios = [f"{statistics.median(x[last]['output_throughput'] / x[n]['output_throughput'] for x in results):.2f}x"
+                  f" / {statistics.median(x[n]['tpot_ms'] / x[last]['tpot_ms'] for x in results):.2f}x"
+                  for n in names[:-1]]
+        same = all(x[n]["token_ids"] == x[last]["token_ids"] for x in results for n in names)
+        print(f"| {c} | " + " | ".join(f"{t:.0f}" for t in tps) + " | " + " | ".join(ratios) + f" | {same} |",
               flush=True)
+        del llms
 
 
 if __name__ == "__main__":

@@ -199,29 +199,109 @@ def test_small_linear_bf16_refuses_what_it_does_not_run(small_linear_bf16):
 def test_bfloat16_linear_runs_small_steps_through_small_linear_bf16(small_linear_bf16):
     """A packed bfloat16 layer keeps a copy for small_linear_bf16 and runs steps of up to its
     small_rows rows through it (more rows for fewer elements); larger steps take oneDNN's
-    packed weight. Both give the layer's product; a large weight keeps no second copy."""
+    packed weight. Both give the layer's product; a large weight keeps no second copy. (Inputs
+    not a multiple of 32: amx_linear, where the CPU has it, does not take them.)"""
     from tokenmill.executor.layers.linear import SMALL_BFLOAT16_WEIGHT, Linear, small_bfloat16_rows
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN: layers stay plain")
     assert small_bfloat16_rows(128 * 64) == 16 and small_bfloat16_rows(1408 * 256) == 9
     assert small_bfloat16_rows(8192 * 256) == 5 and small_bfloat16_rows(SMALL_BFLOAT16_WEIGHT - 1) == 4
     g = torch.Generator().manual_seed(3)
-    layer = Linear(64, {"a": 48, "b": 80}, bias=True).bfloat16()
-    w, b = torch.randn(128, 64, generator=g).bfloat16(), torch.randn(128, generator=g).bfloat16()
+    layer = Linear(66, {"a": 48, "b": 80}, bias=True).bfloat16()
+    w, b = torch.randn(128, 66, generator=g).bfloat16(), torch.randn(128, generator=g).bfloat16()
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(b)
     layer.pack()
-    assert layer.small_rows == 16 and layer.small.shape == (8, 32, 16, 2)
+    assert layer.small_rows == 16 and layer.small.shape == (8, 33, 16, 2)
+    assert layer.small_kernel.func is small_linear_bf16
     calls = []
     kernel = layer.small_kernel
     layer.small_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
     with torch.inference_mode():
         for rows in (1, 16, 17, 40):
-            x = torch.randn(rows, 64, generator=g).bfloat16()
+            x = torch.randn(rows, 66, generator=g).bfloat16()
             ref = x.double() @ w.double().T + b.double()
             assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2)
-        assert layer(torch.randn(0, 64).bfloat16()).shape == (0, 128)
+        assert layer(torch.randn(0, 66).bfloat16()).shape == (0, 128)
     assert calls == [1, 16]
     big = Linear(1024, SMALL_BFLOAT16_WEIGHT // 1024).bfloat16()
     big.pack()
     assert big.packed is not None and big.small is None
+
+
+@pytest.fixture(scope="module")
+def amx_linear(kernels):
+    if not kernels.has_amx_linear:
+        pytest.skip("amx_linear needs AMX-BF16 (and the tiles granted by the operating system)")
+    return kernels.amx_linear
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32])
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (37, 64), (16, 32), (1408, 704), (8, 96)])
+def test_amx_linear_against_float64(amx_linear, rows, out_features, in_features):
+    """One or two tiles of rows, an odd number of output blocks and a last block of fewer than
+    16 outputs; strided rows of x. The result is the float64 product rounded to bfloat16 (the
+    sums are float32's)."""
+    from tokenmill.executor.layers.linear import pack_bf16_pairs
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features + 32, generator=g).bfloat16()[:, 32:]  # rows with a stride
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    packed = pack_bf16_pairs(w)
+    for bias in (None, b):
+        ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        y = amx_linear(x, packed, bias, out_features)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        # within a bfloat16 rounding, and float32 summation's error where the terms cancel
+        summed = x.double().abs() @ w.double().abs().T
+        assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6 * summed).all()
+
+
+def test_amx_linear_rows_do_not_depend_on_each_other(amx_linear):
+    """A row's output is the same, bit for bit, whatever rows are computed with it (one tile
+    of rows or two)."""
+    from tokenmill.executor.layers.linear import pack_bf16_pairs
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(32, 704, generator=g).bfloat16()
+    packed = pack_bf16_pairs(torch.randn(1408, 704, generator=g).bfloat16())
+    alone = torch.cat([amx_linear(x[i:i + 1], packed, None, 1408) for i in range(32)])
+    for rows in range(2, 33):
+        assert torch.equal(amx_linear(x[:rows], packed, None, 1408), alone[:rows])
+
+
+def test_amx_linear_refuses_what_it_does_not_run(amx_linear):
+    from tokenmill.executor.layers.linear import pack_bf16_pairs
+    w = torch.randn(32, 64).bfloat16()
+    packed = pack_bf16_pairs(w)
+    with pytest.raises(RuntimeError, match="1 to 32 rows"):
+        amx_linear(torch.randn(33, 64).bfloat16(), packed, None, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        amx_linear(torch.randn(2, 64), packed, None, 32)
+    with pytest.raises(RuntimeError, match="pack_bf16_pairs"):
+        amx_linear(torch.randn(2, 64).bfloat16(), w, None, 32)
+    with pytest.raises(RuntimeError, match="a multiple of 32"):
+        amx_linear(torch.randn(2, 48).bfloat16(), pack_bf16_pairs(torch.randn(32, 48).bfloat16()), None, 32)
+    with pytest.raises(RuntimeError, match="bias of 32 elements"):
+        amx_linear(torch.randn(2, 64).bfloat16(), packed, torch.randn(31).bfloat16(), 32)
+
+
+def test_bfloat16_linear_runs_small_steps_through_amx_linear(amx_linear):
+    """Where the CPU has AMX, a packed bfloat16 layer whose inputs are a multiple of 32 runs
+    steps of up to AMX_ROWS rows through amx_linear, larger ones through oneDNN."""
+    from tokenmill.executor.layers.linear import AMX_ROWS, Linear
+    g = torch.Generator().manual_seed(4)
+    layer = Linear(64, {"a": 48, "b": 80}, bias=True).bfloat16()
+    w, b = torch.randn(128, 64, generator=g).bfloat16(), torch.randn(128, generator=g).bfloat16()
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    layer.pack()
+    assert layer.small_rows == AMX_ROWS == 32 and layer.small_kernel.func is amx_linear
+    calls = []
+    kernel = layer.small_kernel
+    layer.small_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
+    with torch.inference_mode():
+        for rows in (1, 17, 32, 33, 40):
+            x = torch.randn(rows, 64, generator=g).bfloat16()
+            ref = x.double() @ w.double().T + b.double()
+            assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2)
+    assert calls == [1, 17, 32]

@@ -18,6 +18,8 @@ bool has_small_linear_bf16();
 torch::Tensor small_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                                 int64_t out);
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+bool has_amx_linear();
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out);
 void bind_int8_linear(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -44,5 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_bf16", &small_linear_bf16,
         "x W^T (+ b), bfloat16, for 1 to 16 rows of x, W laid out by pack_bf16_pairs (AVX512-BF16)", py::arg("x"),
         py::arg("packed"), py::arg("bias"), py::arg("out"));
+  m.attr("has_amx_linear") = has_amx_linear();
+  m.def("amx_linear", &amx_linear,
+        "x W^T (+ b), bfloat16, for 1 to 32 rows of x, W laid out by pack_bf16_pairs, in a multiple of 32 (AMX)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"));
   bind_int8_linear(m);  // where torch has fbgemm (x86-64)
 }

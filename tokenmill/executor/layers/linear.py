@@ -43,6 +43,12 @@ PLAIN_ROWS = 4
 # weights gain little (12% at one row of 2048 x 11264) for a second copy of many megabytes.
 SMALL_BFLOAT16_WEIGHT = 1 << 22
 SMALL_BFLOAT16_WORK = 1 << 21
+# on a CPU with AMX-BF16 (Sapphire Rapids and later Xeons) that copy runs through amx_linear
+# instead, for steps of up to AMX_ROWS rows, where the layer's inputs are a multiple of 32: at
+# the built-in model's shapes it costs 3-7 us a call from 1 to 32 rows, against oneDNN's 17-25
+# and small_linear_bf16's 3-50, and its LM head 40-69 us against 75-139 and 42-325
+# (benchmarks/linear_layout.py, a 2-core Xeon)
+AMX_ROWS = 32
 
 
 def packed_rows(rows: int) -> int:
@@ -128,7 +134,8 @@ class Linear(nn.Module):
         steps of at most SMALL_ROWS rows (see SMALL_FLOAT32_WEIGHT): oneDNN's call costs
         about 30 us more there, which at one row made a forward of the built-in model 11%
         slower and of its draft 26% than MKL's GEMM (`benchmarks/linear_layout.py`).
-        Small bfloat16 weights keep a copy for small_linear_bf16 (see SMALL_BFLOAT16_WEIGHT).
+        Small bfloat16 weights keep a copy for small_linear_bf16, or amx_linear where the CPU
+        has AMX (see SMALL_BFLOAT16_WEIGHT and AMX_ROWS).
         Otherwise the plain copy is dropped once packed. A quantized layer packs as its
         method says."""
         if self.quant_method is not None:
@@ -149,8 +156,12 @@ class Linear(nn.Module):
             elif w.dtype == torch.bfloat16 and w.numel() < SMALL_BFLOAT16_WEIGHT and kernels is not None \
                     and kernels.has_small_linear_bf16:
                 self.small = pack_bf16_pairs(w.detach())
-                self.small_kernel = partial(kernels.small_linear_bf16, out=self.out_features)
-                self.small_rows = small_bfloat16_rows(w.numel())
+                if kernels.has_amx_linear and w.shape[1] % 32 == 0:
+                    self.small_kernel = partial(kernels.amx_linear, out=self.out_features)
+                    self.small_rows = AMX_ROWS
+                else:
+                    self.small_kernel = partial(kernels.small_linear_bf16, out=self.out_features)
+                    self.small_rows = small_bfloat16_rows(w.numel())
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
