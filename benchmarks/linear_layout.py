@@ -103,7 +103,7 @@ def bfloat16_table(kernels) -> None:
     """bfloat16 weights: oneDNN's packed call against small_linear_bf16 (up to 16 rows) and, where
     the CPU has AMX, amx_linear (up to AMX_ROWS), us per call."""
     amx = kernels.has_amx_linear
-    rows = [1, 2, 4, 5, 8, 12, 16] + ([20, AMX_ROWS] if amx else [])
+    rows = [1, 2, 4, 5, 8, 12, 16] + ([32, AMX_ROWS] if amx else [])
     print("\nbfloat16: us per call, packed / small_linear_bf16" + (" / amx_linear" if amx else "")
           + " (* the rows Linear runs through a kernel)\n")
     print("| model | out x in | " + " | ".join(f"{m} rows" for m in rows) + " |")

@@ -236,11 +236,11 @@ def amx_linear(kernels):
     return kernels.amx_linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32, 33, 48, 50, 64])
 @pytest.mark.parametrize("out_features, in_features", [(512, 256), (37, 64), (16, 32), (1408, 704), (8, 96)])
 def test_amx_linear_against_float64(amx_linear, rows, out_features, in_features):
-    """One or two tiles of rows, an odd number of output blocks and a last block of fewer than
-    16 outputs; strided rows of x. The result is the float64 product rounded to bfloat16 (the
+    """One to four tiles of rows (the last of 1-16 rows), an odd number of output blocks and a
+    last block of fewer than 16 outputs; strided rows of x. The result is the float64 product rounded to bfloat16 (the
     sums are float32's)."""
     from tokenmill.executor.layers.linear import pack_bf16_pairs
     g = torch.Generator().manual_seed(rows)
@@ -258,23 +258,23 @@ def test_amx_linear_against_float64(amx_linear, rows, out_features, in_features)
 
 
 def test_amx_linear_rows_do_not_depend_on_each_other(amx_linear):
-    """A row's output is the same, bit for bit, whatever rows are computed with it (one tile
-    of rows or two)."""
+    """A row's output is the same, bit for bit, whatever rows are computed with it (one to
+    four tiles of rows)."""
     from tokenmill.executor.layers.linear import pack_bf16_pairs
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(32, 704, generator=g).bfloat16()
-    packed = pack_bf16_pairs(torch.randn(1408, 704, generator=g).bfloat16())
-    alone = torch.cat([amx_linear(x[i:i + 1], packed, None, 1408) for i in range(32)])
-    for rows in range(2, 33):
-        assert torch.equal(amx_linear(x[:rows], packed, None, 1408), alone[:rows])
+    x = torch.randn(64, 704, generator=g).bfloat16()
+    packed = pack_bf16_pairs(torch.randn(1400, 704, generator=g).bfloat16())  # an odd number of blocks
+    alone = torch.cat([amx_linear(x[i:i + 1], packed, None, 1400) for i in range(64)])
+    for rows in range(2, 65):
+        assert torch.equal(amx_linear(x[:rows], packed, None, 1400), alone[:rows])
 
 
 def test_amx_linear_refuses_what_it_does_not_run(amx_linear):
     from tokenmill.executor.layers.linear import pack_bf16_pairs
     w = torch.randn(32, 64).bfloat16()
     packed = pack_bf16_pairs(w)
-    with pytest.raises(RuntimeError, match="1 to 32 rows"):
-        amx_linear(torch.randn(33, 64).bfloat16(), packed, None, 32)
+    with pytest.raises(RuntimeError, match="1 to 64 rows"):
+        amx_linear(torch.randn(65, 64).bfloat16(), packed, None, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
         amx_linear(torch.randn(2, 64), packed, None, 32)
     with pytest.raises(RuntimeError, match="pack_bf16_pairs"):
@@ -295,13 +295,13 @@ def test_bfloat16_linear_runs_small_steps_through_amx_linear(amx_linear):
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(b)
     layer.pack()
-    assert layer.small_rows == AMX_ROWS == 32 and layer.small_kernel.func is amx_linear
+    assert layer.small_rows == AMX_ROWS == 64 and layer.small_kernel.func is amx_linear
     calls = []
     kernel = layer.small_kernel
     layer.small_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
     with torch.inference_mode():
-        for rows in (1, 17, 32, 33, 40):
+        for rows in (1, 17, 64, 65, 80):
             x = torch.randn(rows, 64, generator=g).bfloat16()
             ref = x.double() @ w.double().T + b.double()
             assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2)
-    assert calls == [1, 17, 32]
+    assert calls == [1, 17, 64]

@@ -1,7 +1,8 @@
-// y = x W^T (+ b) for bfloat16 steps of at most 32 rows, on AMX tiles (Sapphire Rapids and later
+// y = x W^T (+ b) for bfloat16 steps of at most 64 rows, on AMX tiles (Sapphire Rapids and later
 // Xeons). oneDNN's packed call (which also runs on AMX there) costs 17-20 us a call at least at
 // these sizes, and small_linear_bf16's AVX512-BF16 dot products grow with the rows; here a layer
-// of the built-in model costs 3-7 us from 1 to 32 rows (benchmarks/linear_layout.py).
+// of the built-in model costs 3-8 us from 1 to 32 rows (benchmarks/linear_layout.py). The weight
+// is read once a call, whatever the rows.
 //
 // The weight is the one pack_bf16_pairs lays out for small_linear_bf16, [out / 16, in / 2, 16, 2]:
 // 16 consecutive pairs of inputs of a block of 16 outputs are 16 rows of 64 bytes, one weight
@@ -26,7 +27,7 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 32;
+constexpr int64_t MAX_ROWS = 64;
 
 bool amx_permitted() {
   static const bool ok = [] {
@@ -44,16 +45,56 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0, 1: rows [0, m0) x two blocks of 16 outputs; 2, 3: rows [m0, m0 + m1) x the same blocks;
-// 4, 5: those rows of x, 32 inputs; 6, 7: the two blocks' weights for those inputs
-void configure(int m0, int m1) {
+// A step's rows in R tiles of x, 16 rows each but the last (`last` rows), against P blocks of 16
+// outputs at a time: accumulator tile r * P + p holds row tile r x block p (R * P <= 4). Tile 4
+// holds a full tile of x, tile 7 the last one (a tile dot product takes x's tile with as many rows
+// as the accumulator's), tiles 5 and 6 the blocks' weights: R = 1 or 2 with P = 2 up to 32 rows,
+// R = 3 or 4 with P = 1 up to 64.
+void configure(int R, int P, int last) {
   TileConfig cfg;
-  for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = m0;
-  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = m1 > 0 ? m1 : m0;
-  cfg.rows[6] = cfg.rows[7] = 16;
+  for (int r = 0; r < R; r++)
+    for (int p = 0; p < P; p++) cfg.rows[r * P + p] = r == R - 1 ? last : 16;
+  cfg.rows[4] = 16;
+  cfg.rows[7] = last;
+  cfg.rows[5] = cfg.rows[6] = 16;
+  for (int t = 0; t < 8; t++) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;  // (a tile of no rows must have no columns)
   _tile_loadconfig(&cfg);
 }
+
+// The tile intrinsics take literal tile numbers (they are pasted into the instruction): these
+// pick the literal for a template's constant.
+template <int T>
+inline void tile_zero() {
+  if constexpr (T == 0) _tile_zero(0);
+  else if constexpr (T == 1) _tile_zero(1);
+  else if constexpr (T == 2) _tile_zero(2);
+  else _tile_zero(3);
+}
+
+template <int T>
+inline void tile_store(float* p) {
+  if constexpr (T == 0) _tile_stored(0, p, 64);
+  else if constexpr (T == 1) _tile_stored(1, p, 64);
+  else if constexpr (T == 2) _tile_stored(2, p, 64);
+  else _tile_stored(3, p, 64);
+}
+
+template <int T>
+inline void tile_load(const void* p, int64_t stride) {
+  if constexpr (T == 4) _tile_loadd(4, p, stride);
+  else _tile_loadd(7, p, stride);
+}
+
+#define TILE_DP(C, A, B) else if constexpr (c == C && a == A && b == B) _tile_dpbf16ps(C, A, B);
+template <int c, int a, int b>
+inline void tile_dp() {
+  if constexpr (false) {}
+  TILE_DP(0, 4, 5) TILE_DP(0, 4, 6) TILE_DP(0, 7, 5) TILE_DP(0, 7, 6)
+  TILE_DP(1, 4, 5) TILE_DP(1, 4, 6) TILE_DP(1, 7, 5) TILE_DP(1, 7, 6)
+  TILE_DP(2, 4, 5) TILE_DP(2, 4, 6) TILE_DP(2, 7, 5) TILE_DP(2, 7, 6)
+  TILE_DP(3, 4, 5) TILE_DP(3, 4, 6) TILE_DP(3, 7, 5) TILE_DP(3, 7, 6)
+}
+#undef TILE_DP
 
 // `rows` rows of 16 float32 sums (+ the bias) into y's outputs o..o + 15 (fewer at the end)
 void store(const float* acc, int rows, const at::BFloat16* bias, at::BFloat16* y, int64_t out, int64_t o) {
@@ -67,62 +108,78 @@ void store(const float* acc, int rows, const at::BFloat16* bias, at::BFloat16* y
   }
 }
 
-// output blocks b and (PAIR) b + 1, for rows [0, m0) and (TWO) [m0, m0 + m1)
-template <bool TWO, bool PAIR>
-void blocks(const at::BFloat16* x, int64_t x_stride, int m0, int m1, const at::BFloat16* w, int64_t pairs,
-            const at::BFloat16* bias, at::BFloat16* y, int64_t out, int64_t b) {
-  _tile_zero(0);
-  if (PAIR) _tile_zero(1);
-  if (TWO) {
-    _tile_zero(2);
-    if (PAIR) _tile_zero(3);
+// row tile r of x (tile 4, or 7 for the last) times N blocks' weights into its accumulators
+template <int R, int P, int N, int r>
+void row_tile(const at::BFloat16* x, int64_t x_bytes) {
+  if constexpr (r < R) {
+    constexpr int A = r == R - 1 ? 7 : 4;
+    tile_load<A>(x, x_bytes);
+    tile_dp<r * P, A, 5>();
+    if constexpr (N == 2) tile_dp<r * P + 1, A, 6>();
   }
-  const at::BFloat16* w0 = w + b * pairs * 32;
-  const at::BFloat16* w1 = w0 + pairs * 32;
-  const at::BFloat16* x1 = x + m0 * x_stride;
-  const int64_t x_bytes = x_stride * 2;
-  for (int64_t p = 0; p < pairs; p += 16) {
-    _tile_loadd(4, x + 2 * p, x_bytes);
-    if (TWO) _tile_loadd(5, x1 + 2 * p, x_bytes);
-    _tile_loadd(6, w0 + p * 32, 64);
-    if (PAIR) _tile_loadd(7, w1 + p * 32, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (PAIR) _tile_dpbf16ps(1, 4, 7);
-    if (TWO) {
-      _tile_dpbf16ps(2, 5, 6);
-      if (PAIR) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  alignas(64) float acc[16 * 16];
-  _tile_stored(0, acc, 64);
-  store(acc, m0, bias, y, out, b * 16);
-  if (PAIR) {
-    _tile_stored(1, acc, 64);
-    store(acc, m0, bias, y, out, b * 16 + 16);
-  }
-  if (TWO) {
-    _tile_stored(2, acc, 64);
-    store(acc, m1, bias, y + m0 * out, out, b * 16);
-    if (PAIR) {
-      _tile_stored(3, acc, 64);
-      store(acc, m1, bias, y + m0 * out, out, b * 16 + 16);
+}
+
+// row tile r's accumulators of N blocks (+ the bias) into y, from output o
+template <int R, int P, int N, int r>
+void store_row_tile(int last, const at::BFloat16* bias, at::BFloat16* y, int64_t out, int64_t o) {
+  if constexpr (r < R) {
+    const int rows = r == R - 1 ? last : 16;
+    alignas(64) float acc[16 * 16];
+    tile_store<r * P>(acc);
+    store(acc, rows, bias, y + r * 16 * out, out, o);
+    if constexpr (N == 2) {
+      tile_store<r * P + 1>(acc);
+      store(acc, rows, bias, y + r * 16 * out, out, o + 16);
     }
   }
 }
 
-template <bool TWO>
-void run(const at::BFloat16* x, int64_t x_stride, int m0, int m1, const at::BFloat16* w, int64_t pairs,
+template <int R, int P, int N, int r>
+void zero_row_tile() {
+  if constexpr (r < R) {
+    tile_zero<r * P>();
+    if constexpr (N == 2) tile_zero<r * P + 1>();
+  }
+}
+
+// N (<= P) blocks of 16 outputs from block b, for all the step's rows
+template <int R, int P, int N>
+void blocks(const at::BFloat16* x, int64_t x_stride, int last, const at::BFloat16* w, int64_t pairs,
+            const at::BFloat16* bias, at::BFloat16* y, int64_t out, int64_t b) {
+  static_assert(R * P <= 4 && N <= P && P <= 2);
+  zero_row_tile<R, P, N, 0>();
+  zero_row_tile<R, P, N, 1>();
+  zero_row_tile<R, P, N, 2>();
+  zero_row_tile<R, P, N, 3>();
+  const at::BFloat16* w0 = w + b * pairs * 32;
+  const int64_t x_bytes = x_stride * 2, tile = 16 * x_stride;
+  for (int64_t p = 0; p < pairs; p += 16) {
+    _tile_loadd(5, w0 + p * 32, 64);
+    if constexpr (N == 2) _tile_loadd(6, w0 + (pairs + p) * 32, 64);
+    row_tile<R, P, N, 0>(x + 2 * p, x_bytes);
+    row_tile<R, P, N, 1>(x + tile + 2 * p, x_bytes);
+    row_tile<R, P, N, 2>(x + 2 * tile + 2 * p, x_bytes);
+    row_tile<R, P, N, 3>(x + 3 * tile + 2 * p, x_bytes);
+  }
+  store_row_tile<R, P, N, 0>(last, bias, y, out, b * 16);
+  store_row_tile<R, P, N, 1>(last, bias, y, out, b * 16);
+  store_row_tile<R, P, N, 2>(last, bias, y, out, b * 16);
+  store_row_tile<R, P, N, 3>(last, bias, y, out, b * 16);
+}
+
+template <int R, int P>
+void run(const at::BFloat16* x, int64_t x_stride, int last, const at::BFloat16* w, int64_t pairs,
          const at::BFloat16* bias, at::BFloat16* y, int64_t out, int64_t num_blocks) {
-  const int64_t groups = (num_blocks + 1) / 2;
+  const int64_t groups = (num_blocks + P - 1) / P;
 #pragma omp parallel if (out * pairs >= 16384)
   {
-    configure(m0, m1);  // the tile configuration is each thread's own
+    configure(R, P, last);  // the tile configuration is each thread's own
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-      if (2 * g + 1 < num_blocks)
-        blocks<TWO, true>(x, x_stride, m0, m1, w, pairs, bias, y, out, 2 * g);
-      else
-        blocks<TWO, false>(x, x_stride, m0, m1, w, pairs, bias, y, out, 2 * g);
+      if (P * g + P <= num_blocks)
+        blocks<R, P, P>(x, x_stride, last, w, pairs, bias, y, out, P * g);
+      else  // an odd number of blocks: the last one alone
+        blocks<R, P, 1>(x, x_stride, last, w, pairs, bias, y, out, P * g);
     }
     _tile_release();
   }
@@ -148,10 +205,14 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
                 "amx_linear: a contiguous bfloat16 bias of ", out, " elements");
   if (x.stride(1) != 1) x = x.contiguous();
   auto y = torch::empty({rows, out}, x.options());
-  const int m0 = std::min<int64_t>(rows, 16), m1 = rows - m0;
-  (m1 > 0 ? run<true> : run<false>)(x.data_ptr<at::BFloat16>(), x.stride(0), m0, m1, packed.data_ptr<at::BFloat16>(),
-                                    pairs, bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
-                                    y.data_ptr<at::BFloat16>(), out, num_blocks);
+  const int R = (rows + 15) / 16, last = rows - 16 * (R - 1);
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const auto* wp = packed.data_ptr<at::BFloat16>();
+  const auto* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t xs = x.stride(0);
+  const auto go = R == 1 ? run<1, 2> : R == 2 ? run<2, 2> : R == 3 ? run<3, 1> : run<4, 1>;
+  go(xp, xs, last, wp, pairs, bp, yp, out, num_blocks);
   return y;
 }
 

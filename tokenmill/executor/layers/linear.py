@@ -45,10 +45,10 @@ SMALL_BFLOAT16_WEIGHT = 1 << 22
 SMALL_BFLOAT16_WORK = 1 << 21
 # on a CPU with AMX-BF16 (Sapphire Rapids and later Xeons) that copy runs through amx_linear
 # instead, for steps of up to AMX_ROWS rows, where the layer's inputs are a multiple of 32: at
-# the built-in model's shapes it costs 3-7 us a call from 1 to 32 rows, against oneDNN's 17-25
-# and small_linear_bf16's 3-50, and its LM head 40-69 us against 75-139 and 42-325
-# (benchmarks/linear_layout.py, a 2-core Xeon)
-AMX_ROWS = 32
+# the built-in model's shapes it costs 3-8 us a call from 1 to 32 rows and 5-15 at 64, against
+# oneDNN's 17-25 and 23-35 and small_linear_bf16's 3-50 (up to 16 rows), and its LM head 35-63
+# and 110 us against 71-135 and 171 (benchmarks/linear_layout.py, a 2-core Xeon)
+AMX_ROWS = 64
 
 
 def packed_rows(rows: int) -> int:
