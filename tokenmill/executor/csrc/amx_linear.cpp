@@ -1,8 +1,8 @@
-// y = x W^T (+ b) for bfloat16 steps of at most 64 rows, on AMX tiles (Sapphire Rapids and later
+// y = x W^T (+ b) for bfloat16 steps of at most 256 rows, on AMX tiles (Sapphire Rapids and later
 // Xeons). oneDNN's packed call (which also runs on AMX there) costs 17-20 us a call at least at
 // these sizes, and small_linear_bf16's AVX512-BF16 dot products grow with the rows; here a layer
-// of the built-in model costs 3-8 us from 1 to 32 rows (benchmarks/linear_layout.py). The weight
-// is read once a call, whatever the rows.
+// of the built-in model costs 3-8 us from 1 to 32 rows (benchmarks/linear_layout.py). Up to 64
+// rows the weight is read once a call; more rows go 64 at a time.
 //
 // The weight is the one pack_bf16_pairs lays out for small_linear_bf16, [out / 16, in / 2, 16, 2]:
 // 16 consecutive pairs of inputs of a block of 16 outputs are 16 rows of 64 bytes, one weight
@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 64;
+constexpr int64_t MAX_ROWS = 256;
 
 bool amx_permitted() {
   static const bool ok = [] {
@@ -205,14 +205,17 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
                 "amx_linear: a contiguous bfloat16 bias of ", out, " elements");
   if (x.stride(1) != 1) x = x.contiguous();
   auto y = torch::empty({rows, out}, x.options());
-  const int R = (rows + 15) / 16, last = rows - 16 * (R - 1);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
   const auto* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t xs = x.stride(0);
-  const auto go = R == 1 ? run<1, 2> : R == 2 ? run<2, 2> : R == 3 ? run<3, 1> : run<4, 1>;
-  go(xp, xs, last, wp, pairs, bp, yp, out, num_blocks);
+  for (int64_t r0 = 0; r0 < rows; r0 += 64) {  // 64 rows at a time, the weight read again for each
+    const int64_t n = std::min<int64_t>(64, rows - r0);
+    const int R = (n + 15) / 16, last = n - 16 * (R - 1);
+    const auto go = R == 1 ? run<1, 2> : R == 2 ? run<2, 2> : R == 3 ? run<3, 1> : run<4, 1>;
+    go(xp + r0 * xs, xs, last, wp, pairs, bp, yp + r0 * out, out, num_blocks);
+  }
   return y;
 }
 

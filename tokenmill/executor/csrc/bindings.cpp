@@ -48,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("bias"), py::arg("out"));
   m.attr("has_amx_linear") = has_amx_linear();
   m.def("amx_linear", &amx_linear,
-        "x W^T (+ b), bfloat16, for 1 to 64 rows of x, W laid out by pack_bf16_pairs, in a multiple of 32 (AMX)",
+        "x W^T (+ b), bfloat16, for 1 to 256 rows of x, W laid out by pack_bf16_pairs, in a multiple of 32 (AMX)",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"));
   bind_int8_linear(m);  // where torch has fbgemm (x86-64)
 }

@@ -47,8 +47,16 @@ SMALL_BFLOAT16_WORK = 1 << 21
 # instead, for steps of up to AMX_ROWS rows, where the layer's inputs are a multiple of 32: at
 # the built-in model's shapes it costs 3-8 us a call from 1 to 32 rows and 5-15 at 64, against
 # oneDNN's 17-25 and 23-35 and small_linear_bf16's 3-50 (up to 16 rows), and its LM head 35-63
-# and 110 us against 71-135 and 171 (benchmarks/linear_layout.py, a 2-core Xeon)
+# and 110 us against 71-135 and 171 (benchmarks/linear_layout.py, a 2-core Xeon). Layers of at
+# most AMX_NARROW inputs (a 64-row tile of x in 32 KB, within L1) or AMX_NARROW outputs (x read
+# again for few blocks of outputs) take up to AMX_NARROW_ROWS rows, 64 at a time: at 65 rows the
+# built-in model's gate/up costs 19 us against oneDNN's 37, at 256 rows 64 against 73 (its down
+# 42 against 65, its LM head 454 against 498); the 56M model's 1024 x 512 and 2816 x 512 fell
+# behind oneDNN past 128. A step that left every layer for oneDNN at 65 rows cost 2.35 ms
+# against 1.51 at 64 (the built-in model), and adaptive n-gram at 64 requests, verifying drafts
+# past it, lost 7-13%
 AMX_ROWS = 64
+AMX_NARROW, AMX_NARROW_ROWS = 256, 256
 
 
 def packed_rows(rows: int) -> int:
@@ -158,7 +166,8 @@ class Linear(nn.Module):
                 self.small = pack_bf16_pairs(w.detach())
                 if kernels.has_amx_linear and w.shape[1] % 32 == 0:
                     self.small_kernel = partial(kernels.amx_linear, out=self.out_features)
-                    self.small_rows = AMX_ROWS
+                    narrow = w.shape[1] <= AMX_NARROW or w.shape[0] <= 2 * AMX_NARROW
+                    self.small_rows = AMX_NARROW_ROWS if narrow else AMX_ROWS
                 else:
                     self.small_kernel = partial(kernels.small_linear_bf16, out=self.out_features)
                     self.small_rows = small_bfloat16_rows(w.numel())
