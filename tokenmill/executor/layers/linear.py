@@ -48,8 +48,8 @@ SMALL_BFLOAT16_WORK = 1 << 21
 # the built-in model's shapes it costs 3-8 us a call from 1 to 32 rows and 5-15 at 64, against
 # oneDNN's 17-25 and 23-35 and small_linear_bf16's 3-50 (up to 16 rows), and its LM head 35-63
 # and 110 us against 71-135 and 171 (benchmarks/linear_layout.py, a 2-core Xeon). Layers of at
-# most AMX_NARROW inputs (a 64-row tile of x in 32 KB, within L1) or AMX_NARROW outputs (x read
-# again for few blocks of outputs) take up to AMX_NARROW_ROWS rows, 64 at a time: at 65 rows the
+# most AMX_NARROW inputs (a 64-row tile of x in 32 KB, within L1) or 2 x AMX_NARROW outputs (x
+# read again for few blocks of outputs) take up to AMX_NARROW_ROWS rows, 64 at a time: at 65 rows the
 # built-in model's gate/up costs 19 us against oneDNN's 37, at 256 rows 64 against 73 (its down
 # 42 against 65, its LM head 454 against 498); the 56M model's 1024 x 512 and 2816 x 512 fell
 # behind oneDNN past 128. A step that left every layer for oneDNN at 65 rows cost 2.35 ms
