@@ -41,7 +41,7 @@ from torch.nn import functional as F
 import tokenmill.executor.layers.linear as linear
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.layers.linear import (AMX_ROWS, PLAIN_ROWS, SMALL_BFLOAT16_WEIGHT, SMALL_FLOAT32_WEIGHT,
-                                              SMALL_ROWS, pack_bf16_pairs, small_bfloat16_rows)
+                                              SMALL_ROWS, amx_linear_rows, pack_bf16_pairs, small_bfloat16_rows)
 
 # (out, in): built-in target, its draft, the 56M model of cpu_throughput.py
 SHAPES = {"target": [(512, 256), (256, 256), (1408, 256), (256, 704), (8192, 256)],
@@ -115,7 +115,7 @@ def bfloat16_table(kernels) -> None:
             packed, small = torch.ops.mkldnn._reorder_linear_weight(w, 64), pack_bf16_pairs(w)
             kept = 0
             if w.numel() < SMALL_BFLOAT16_WEIGHT:
-                kept = AMX_ROWS if amx and in_features % 32 == 0 else small_bfloat16_rows(w.numel())
+                kept = (amx and amx_linear_rows(out_features, in_features)) or small_bfloat16_rows(w.numel())
             cells = []
             for m in rows:
                 x = torch.randn(m, in_features, dtype=torch.bfloat16)

@@ -83,7 +83,7 @@ class CpuBackend(TorchBackend):
             self.decodes, self.chunks, self.plan = self._plan_decodes(md), None, _NO_PLAN
             return
         if self.kv_cache.quantized:
-            self.decodes, self.chunks, self.plan = self._plan_query_rows(md), None, TorchPlan([], [])
+            self.decodes, self.chunks, self.plan = self._plan_query_rows(md), None, _NO_PLAN
             return
         decodes = np.flatnonzero(md.query_lens_cpu <= SHORT_QUERY)
         chunks = np.flatnonzero(md.query_lens_cpu > SHORT_QUERY)

@@ -59,6 +59,14 @@ AMX_ROWS = 64
 AMX_NARROW, AMX_NARROW_ROWS = 256, 256
 
 
+def amx_linear_rows(out_features: int, in_features: int) -> int:
+    """The most rows amx_linear takes for a weight of that shape (0: none, inputs not a
+    multiple of 32); see AMX_ROWS."""
+    if in_features % 32:
+        return 0
+    return AMX_NARROW_ROWS if in_features <= AMX_NARROW or out_features <= 2 * AMX_NARROW else AMX_ROWS
+
+
 def packed_rows(rows: int) -> int:
     """The rows a packed (oneDNN) call computes for a step of `rows`: up to 16 as they are,
     then rounded up to one of 8 sizes an octave (18, 20, ..., 32, 36, ..., 64, 72, ...: at most
@@ -164,10 +172,9 @@ class Linear(nn.Module):
             elif w.dtype == torch.bfloat16 and w.numel() < SMALL_BFLOAT16_WEIGHT and kernels is not None \
                     and kernels.has_small_linear_bf16:
                 self.small = pack_bf16_pairs(w.detach())
-                if kernels.has_amx_linear and w.shape[1] % 32 == 0:
+                if kernels.has_amx_linear and (rows := amx_linear_rows(*w.shape)):
                     self.small_kernel = partial(kernels.amx_linear, out=self.out_features)
-                    narrow = w.shape[1] <= AMX_NARROW or w.shape[0] <= 2 * AMX_NARROW
-                    self.small_rows = AMX_NARROW_ROWS if narrow else AMX_ROWS
+                    self.small_rows = rows
                 else:
                     self.small_kernel = partial(kernels.small_linear_bf16, out=self.out_features)
                     self.small_rows = small_bfloat16_rows(w.numel())
