@@ -9,6 +9,9 @@ engine does, and y comes back in x's dtype:
 
     dense       the engine's float layer (layers/linear.py: oneDNN's packed layout) in the engine's
                 dtype (bf16 where the CPU has it, else fp32): the baseline
+    amx         the engine's W8A8 layer on CPUs with AMX, for inputs a multiple of 64: csrc/amx_linear.cpp's
+                amx_int8_linear (rows quantized, the int8 tile dot products, the rescale, in one op) up to
+                256 rows (fbgemm above here; the engine takes oneDNN there)
     direct      the engine's W8A8 layer with its native kernel (csrc/int8_linear.cpp) on fbgemm: fbgemm's
                 packed GEMM called directly, one column part per thread, per-token quantization
                 and rescale in the same op
@@ -65,16 +68,18 @@ def candidates(w: torch.Tensor, dtype: torch.dtype) -> dict:
         lin = Linear(w.shape[1], w.shape[0], quant_method=method)
         lin.weight.data = w.to(dtype)
         lin.pack()
-        if method is not None and method.onednn:
+        if method is not None and method.onednn and not method.amx:
             lin.onednn_rows = 1  # every step through oneDNN
         return lin
 
     out = {"dense": layer(None)}
     kernels = load_cpu_kernels()
     if kernels is not None and hasattr(kernels, "int8_linear"):
-        out["direct"] = layer(Int8LinearMethod(kernels, onednn=False))
-        if Int8LinearMethod(kernels, onednn=True).onednn:
-            out["onednn"] = layer(Int8LinearMethod(kernels, onednn=True))
+        if Int8LinearMethod(kernels, onednn=False, amx=True).amx and w.shape[1] % 64 == 0:
+            out["amx"] = layer(Int8LinearMethod(kernels, onednn=False, amx=True))
+        out["direct"] = layer(Int8LinearMethod(kernels, onednn=False, amx=False))
+        if Int8LinearMethod(kernels, onednn=True, amx=False).onednn:
+            out["onednn"] = layer(Int8LinearMethod(kernels, onednn=True, amx=False))
     if "fbgemm" in torch.backends.quantized.supported_engines:
         out["fbgemm_op"] = layer(Int8LinearMethod(None))
 

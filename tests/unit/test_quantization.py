@@ -31,12 +31,17 @@ def exact_w8a8(x: torch.Tensor, w: torch.Tensor, qmax: int) -> torch.Tensor:
 
 def int8_method(path: str) -> Int8LinearMethod:
     """The W8A8 method whose GEMM is `path`'s: fbgemm through the native kernels, oneDNN's (with
-    the native kernels' row quantization) for every step, or torch's quantized op."""
-    method = Int8LinearMethod(None if path == "torch" else load_cpu_kernels(), onednn=path == "onednn")
+    the native kernels' row quantization) for every step, amx_int8_linear for steps of up to
+    AMX_ROWS rows (oneDNN's above where torch has it), or torch's quantized op."""
+    kernels = None if path == "torch" else load_cpu_kernels()
+    method = Int8LinearMethod(kernels, onednn=None if path == "amx" else path == "onednn",
+                              amx=path == "amx")
     if path != "torch" and not method.native:
         pytest.skip("no native int8 kernels")
     if path == "onednn" and not method.onednn:
         pytest.skip("no oneDNN int8 ops in this torch")
+    if path == "amx" and not method.amx:
+        pytest.skip("amx_int8_linear needs AMX-INT8 (and the tiles granted by the operating system)")
     return method
 
 
@@ -45,13 +50,14 @@ def packed_layer(method: Int8LinearMethod, w: torch.Tensor, bias: torch.Tensor) 
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(bias)
     layer.pack()
-    if method.onednn:
+    if method.onednn and not method.amx:
         layer.onednn_rows = 1  # every step through oneDNN (by default only larger ones)
     return layer
 
 
-@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (5, 96, 200), (7, 512, 1024), (64, 1408, 512)])
-@pytest.mark.parametrize("path", ["fbgemm", "onednn", "torch"])
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (5, 96, 200), (7, 512, 1024), (64, 1408, 512),
+                                        (300, 128, 40)])
+@pytest.mark.parametrize("path", ["fbgemm", "onednn", "amx", "torch"])
 @pytest.mark.parametrize("outlier", [1, 20], ids=["plain", "outlier"])
 def test_int8_linear_matches_exact_int8_arithmetic(rows, k, n, path, outlier):
     gen = torch.Generator().manual_seed(rows + k)
@@ -107,6 +113,50 @@ def test_native_int8_linear_dtypes_and_shapes(path):
     assert layer(torch.empty(0, 99)).shape == (0, 200)
     with pytest.raises(RuntimeError, match="in_features"):
         layer(torch.randn(2, 98))
+
+
+def test_amx_int8_linear_rows_dtypes_and_routing():
+    """amx_int8_linear's sums are exact integers: its output is the kernel's own quantized rows
+    times the int8 weight, rescaled, whatever rows come with a row (bit for bit), for 1 to 4
+    tiles of rows, more 64 at a time, an odd number of output blocks, a last block of fewer
+    than 16, strided rows, an all-zero row, float32, bfloat16 and float16. A layer takes it for
+    steps of up to AMX_ROWS rows (oneDNN or fbgemm above), and not for inputs that are not a
+    multiple of 64."""
+    from tokenmill.executor.layers.quantization.int8 import AMX_ROWS
+    method = int8_method("amx")
+    kernels = method.kernels
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 192, generator=gen) * 0.05
+    bias = torch.randn(200, generator=gen)
+    layer = packed_layer(method, w, bias)
+    qw, sw = quantize_per_channel(w)
+    assert layer.amx_int8 is not None and (layer.packed_int8 is None) == method.onednn
+    calls = []
+    amx = kernels.amx_int8_linear
+    method.kernels = type("Spy", (), {"__getattr__": lambda _, name: getattr(kernels, name),
+                                      "amx_int8_linear": staticmethod(lambda *a: calls.append(len(a[0])) or amx(*a))})()
+    x = (torch.randn(300, 256, generator=gen) * 3)[:, 32:224]  # rows 256 apart
+    x[7] = 0.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        layer.bias.data = bias.to(dtype)
+        q, row_scale = kernels.int8_quantize_rows(xd, 300, 127)
+        exact = (q.double() @ qw.double().T) * row_scale.double()[:, None] * sw.double() + bias.to(dtype).double()
+        alone = torch.cat([layer(xd[i:i + 1]) for i in range(70)])
+        for rows in (1, 2, 16, 17, 33, 64, 65, 70, AMX_ROWS, AMX_ROWS + 1, 300):
+            calls.clear()
+            y = layer(xd[:rows])
+            assert calls == ([rows] if rows <= AMX_ROWS else [])
+            assert y.dtype == dtype and y.shape == (rows, 200)
+            assert rows > AMX_ROWS or torch.equal(y[:70], alone[:rows])  # (oneDNN rescales in another order)
+            tol = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+            assert ((y.double() - exact[:rows]).abs() <= tol * exact[:rows].abs() + 1e-5).all()
+        torch.testing.assert_close(layer(xd[7:8])[0], bias.to(dtype))  # a zero row gives the bias
+    layer.bias.data = bias
+    assert layer(torch.empty(0, 192)).shape == (0, 200)
+    with pytest.raises(RuntimeError, match="in_features"):
+        layer(torch.randn(2, 160))
+    assert packed_layer(method, torch.randn(40, 96, generator=gen), torch.zeros(40)).amx_int8 is None
 
 
 def test_engine_with_int8_stays_close_to_float():

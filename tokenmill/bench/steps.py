@@ -44,8 +44,9 @@ def stored_weight_bytes(model: torch.nn.Module) -> int:
 
     for m in model.modules():
         if isinstance(m, Linear):
-            if getattr(m, "packed_int8", None) is not None:  # the CPU's int8 packing: a byte a weight
-                total += m.in_features * m.out_features
+            for int8 in ("packed_int8", "amx_int8"):  # the CPU's int8 packings: a byte a weight each
+                if getattr(m, int8, None) is not None:
+                    total += m.in_features * m.out_features
             count(m.packed)  # oneDNN's layout on the CPU (a step reads it or the plain copy, not both)
             if m.packed is None:
                 count(m.weight)

@@ -20,6 +20,8 @@ torch::Tensor small_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::opti
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 bool has_amx_linear();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out);
+torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                              c10::optional<torch::Tensor> bias, int64_t out);
 void bind_int8_linear(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -48,7 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("bias"), py::arg("out"));
   m.attr("has_amx_linear") = has_amx_linear();
   m.def("amx_linear", &amx_linear,
-        "x W^T (+ b), bfloat16, for 1 to 256 rows of x, W laid out by pack_bf16_pairs, in a multiple of 32 (AMX)",
+        "x W^T (+ b), bfloat16, for up to 256 rows of x, W laid out by pack_bf16_pairs, in a multiple of 32 (AMX)",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"));
+  m.def("amx_int8_linear", &amx_int8_linear,
+        "x W^T (+ b) in x's dtype for up to 256 rows of x, quantized per token to int8, W int8 laid out by "
+        "pack_int8_quads with its output channels' scales, in a multiple of 64 (AMX)",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out"));
   bind_int8_linear(m);  // where torch has fbgemm (x86-64)
 }

@@ -10,6 +10,7 @@
 //
 // Activations: each row is scaled to [-qmax, qmax], rounded and offset by qmax + 1 to fbgemm's
 // unsigned form; the offset comes back out as (qmax + 1) * sum_k w[n, k], kept per column.
+#include "quantize.h"
 #include "vec.h"
 
 #include <memory>
@@ -24,33 +25,6 @@ namespace py = pybind11;
 
 namespace {
 using namespace tokenmill;
-
-// Each row scaled to [-qmax, qmax] and rounded, plus `zero_point` (qmax + 1 for fbgemm's
-// unsigned form, 0 for oneDNN's signed one); each row's scale into `scales`.
-template <typename T, typename Q>
-void quantize_rows(const T* x, int64_t stride, int64_t rows, int64_t dim, float qmax, float zero_point, Q* q,
-                   float* scales) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(std::is_same_v<T, float> ? 0 : dim);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = reinterpret_cast<const float*>(x + r * stride);
-      if constexpr (!std::is_same_v<T, float>) {
-        load_row(x + r * stride, buffer.data(), dim);
-        row = buffer.data();
-      }
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::abs(row[i]));
-      // floored so that 1 / scale stays finite for rows of tiny values
-      const float scale = amax > 0.f ? std::max(amax / qmax, std::numeric_limits<float>::min()) : 1.f;
-      const float inv = 1.f / scale;
-      Q* out = q + r * dim;
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) out[i] = static_cast<Q>(std::nearbyint(row[i] * inv) + zero_point);
-      scales[r] = scale;
-    }
-  });
-}
 
 // oneDNN's int8 GEMM (torch.ops.onednn.qlinear_pointwise, AMX-INT8 where the CPU has it) takes one
 // activation scale a tensor; per-token scales go around it: the rows are quantized here (signed,

@@ -96,6 +96,14 @@ def pack_bf16_pairs(w: torch.Tensor) -> torch.Tensor:
     return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
+def pack_int8_quads(w: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] (in a multiple of 4) -> [out / 16, in / 4, 16, 4], zero-padded: for each block
+    of 16 outputs and four inputs, the 16 outputs' four weights (what amx_int8_linear reads)."""
+    out_features, in_features = w.shape
+    w = F.pad(w, (0, 0, 0, -out_features % 16))
+    return w.view(w.shape[0] // 16, 16, in_features // 4, 4).transpose(1, 2).contiguous()
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), whose output rows may be split into named shards. With a
     `quant_method` (layers/quantization), the method declares what the layer loads, packs

@@ -1,6 +1,10 @@
 """W8A8 INT8 on the CPU: weights int8 per output channel (symmetric), activations int8 per
 token (symmetric, dynamic), the GEMM in fbgemm, and in oneDNN for larger steps on CPUs with
-AMX (see ONEDNN_WORK).
+AMX (see ONEDNN_WORK). On CPUs with AMX, layers whose inputs are a multiple of 64 take the
+native amx_int8_linear (csrc/amx_linear.cpp) instead of fbgemm, for steps of up to AMX_ROWS rows,
+and oneDNN above: on a 2-core Xeon it ran the 56M model's layers at 0.9-2.6x the bfloat16
+layers (amx_linear) from 1 to 256 rows, where fbgemm ran them at 0.3-1.8x, and the wide model's
+at 1.7-2.8x up to 16 rows (benchmarks/int8_gemm.py, `amx` and `direct`).
 
 The GEMM was picked by measurement (benchmarks/int8_gemm.py, a 2-core AVX2 CPU without
 VNNI): fbgemm ran the engine's shapes 1.3-7.9x faster than the fp32 dense layer, while
@@ -26,13 +30,15 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from tokenmill.executor.layers.linear import packed_rows
+from tokenmill.executor.layers.linear import pack_int8_quads, packed_rows
 
 # A layer of K x N weights takes oneDNN's int8 GEMM from ONEDNN_WORK / (K N) rows on (at least
 # 17, at most 128), where both are there: on the 2-core Xeon above, fbgemm won below about 64-100
 # rows at 512 x 1024, 48-64 at 512 x 2816, and 16 or fewer from 2048 x 4096 on.
 ONEDNN_WORK = 64 << 20
 ONEDNN_ROWS = (17, 128)
+# amx_int8_linear's row limit (its MAX_ROWS) and the inputs it needs a multiple of
+AMX_ROWS, AMX_CHUNK = 256, 64
 
 
 class Int8Config:
@@ -92,30 +98,43 @@ class Int8LinearMethod:
     for fbgemm and the 16-bit copy is dropped. The bias stays in the layer's dtype and is
     added after the rescale."""
 
-    def __init__(self, kernels: ModuleType | None, qmax: int | None = None, onednn: bool | None = None) -> None:
-        """`onednn`: whether layers also take oneDNN's GEMM for larger steps; by default where
-        the CPU has AMX-INT8 (with the native kernels, which quantize the rows for it)."""
+    def __init__(self, kernels: ModuleType | None, qmax: int | None = None, onednn: bool | None = None,
+                 amx: bool | None = None) -> None:
+        """`onednn`: whether layers also take oneDNN's GEMM for larger steps; `amx`: whether they
+        take amx_int8_linear for steps of up to AMX_ROWS rows; both by default where the CPU has
+        AMX-INT8 (with the native kernels, which quantize the rows for them)."""
         self.kernels = kernels
         self.native = kernels is not None and hasattr(kernels, "int8_linear")  # else torch's quantized op
         self.qmax = qmax or activation_qmax()
         if onednn is None:
             onednn = self.native and "amx_int8" in cpu_flags()
         self.onednn = onednn and self.native and hasattr(torch.ops.onednn, "qlinear_prepack")
+        if amx is None:
+            amx = "amx_int8" in cpu_flags()
+        self.amx = amx and self.native and self.qmax == 127 and kernels.has_amx_linear
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.packed_int8 = None  # the native kernels' Int8Weight, else torch's fbgemm packing
         layer.onednn_int8 = None  # (oneDNN's packed weight, its scales, zero points), where it is used
         layer.onednn_rows = 0  # the rows from which a step takes it
+        layer.amx_int8 = None  # (the weight laid out by pack_int8_quads, its scales), where it is used
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scale = quantize_per_channel(layer.weight.detach())
         self.pack(layer, qweight, scale)
 
     def pack(self, layer: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> None:
-        """fbgemm's packed form of an int8 weight and its per-channel scales."""
+        """An int8 weight and its per-channel scales packed for the layer's GEMMs: amx_int8_linear's
+        layout and oneDNN's where the CPU has AMX (and the inputs are a multiple of 64), else
+        fbgemm's (and oneDNN's)."""
+        self.create_weights(layer)
         layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
         if self.native:
-            layer.packed_int8 = self.kernels.int8_pack(qweight, scale, self.qmax)
+            amx = self.amx and qweight.shape[1] % AMX_CHUNK == 0
+            if amx:
+                layer.amx_int8 = (pack_int8_quads(qweight), scale.float().contiguous())
+            if not (amx and self.onednn):  # (with both, fbgemm's copy would serve no step)
+                layer.packed_int8 = self.kernels.int8_pack(qweight, scale, self.qmax)
             if self.onednn:
                 scale = scale.float().contiguous()
                 layer.onednn_int8 = (torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None), scale,
@@ -132,6 +151,8 @@ class Int8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             x = x if x.stride(-1) == 1 else x.contiguous()
+            if layer.amx_int8 is not None and x.dim() == 2 and len(x) <= AMX_ROWS:
+                return self.kernels.amx_int8_linear(x, *layer.amx_int8, layer.bias, layer.out_features)
             if (layer.onednn_int8 is not None and x.dim() == 2 and len(x) >= layer.onednn_rows
                     and x.shape[1] == layer.in_features):  # (a wrong width gets int8_linear's error)
                 return self._onednn(layer, x)
