@@ -129,7 +129,8 @@ def test_cpu_kernel_matches_dense(dtype, tol, query_lens, seq_lens):
 # 8 and 16 and not). The cache holds NaN outside the contexts: any read of it shows.
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 8, 128),
                                                   (8, 2, 64), (8, 2, 128), (16, 2, 64), (8, 1, 128),
-                                                  (8, 1, 16), (16, 1, 48), (3, 1, 72), (32, 2, 32)])
+                                                  (8, 1, 16), (16, 1, 48), (3, 1, 72), (32, 2, 32), (4, 2, 32),
+                                                  (8, 1, 32)])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("dtype, kv_dtype, tol", [
     (torch.bfloat16, None, 2e-2), (torch.float32, None, 1e-5), (torch.float16, None, 5e-3),
@@ -178,7 +179,7 @@ PREFILL_CASES = [
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 2, 64),
-                                                  (8, 2, 128), (32, 1, 64)])
+                                                  (8, 2, 128), (32, 1, 64), (4, 2, 32)])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("query_lens, seq_lens", PREFILL_CASES)
 def test_cpu_prefill_kernel_bf16(prefill_kernels, heads, kv_heads, dim, block_size, query_lens, seq_lens):

@@ -62,7 +62,7 @@ class CpuBackend(TorchBackend):
             raise ValueError("attention_backend='cpu' needs the native CPU kernels, which could not be built "
                              "(a C++ compiler and ninja are needed); use attention_backend='torch'")
         self.prefill_kernel = (self.kernels.has_bf16_prefill_attention and kv_cache.dtype == torch.bfloat16
-                               and self.head_dim in (64, 128))
+                               and self.head_dim in (32, 64, 128))
         self.decodes: KernelDecodes | None = None
         self.chunks: KernelChunks | None = None
         self._rows = torch.arange(0, device=kv_cache.device)  # 0, 1, ...: a decode step's rows of q

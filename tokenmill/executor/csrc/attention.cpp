@@ -11,7 +11,7 @@
 //
 // Where the build has AVX2 (+ FMA, F16C) and head_dim is a multiple of 16, every cache dtype
 // goes to decode_attention_avx2.cpp instead; decode_attention below is the portable loop.
-// bfloat16 with head_dim 64 or 128 on a CPU with AVX512-BF16 takes a faster path still
+// bfloat16 with head_dim 32, 64 or 128 on a CPU with AVX512-BF16 takes a faster path still
 // (decode_attention_bf16): q.k and p.v by vdpbf16ps (bf16 products, float32 sums), 16
 // scores reduced at once, the output accumulated in registers. As in PyTorch's CPU flash
 // attention, the probabilities are rounded to bfloat16 before p.v (unnormalised, e^(s - max):
@@ -261,13 +261,16 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     return;
   }
 #if defined(__AVX512BF16__)
-  if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
+  if (q.scalar_type() == at::kBFloat16 && (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
     const int64_t group = num_heads / num_kv_heads;
     // G query heads of a group share each V row: as many as fit in registers (8 accumulators per head at d 128)
-    auto run = head_dim == 64 ? (group % 4 == 0   ? decode_attention_bf16<64, 4>
-                                 : group % 2 == 0 ? decode_attention_bf16<64, 2>
-                                                  : decode_attention_bf16<64, 1>)
-                              : (group % 2 == 0 ? decode_attention_bf16<128, 2> : decode_attention_bf16<128, 1>);
+    auto run = head_dim == 32   ? (group % 4 == 0   ? decode_attention_bf16<32, 4>
+                                   : group % 2 == 0 ? decode_attention_bf16<32, 2>
+                                                    : decode_attention_bf16<32, 1>)
+               : head_dim == 64 ? (group % 4 == 0   ? decode_attention_bf16<64, 4>
+                                   : group % 2 == 0 ? decode_attention_bf16<64, 2>
+                                                    : decode_attention_bf16<64, 1>)
+                                : (group % 2 == 0 ? decode_attention_bf16<128, 2> : decode_attention_bf16<128, 1>);
     run(q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
         block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<c10::BFloat16>(), num_reqs,
         num_heads, num_kv_heads, block_size, block_table.size(1), static_cast<float>(scale));

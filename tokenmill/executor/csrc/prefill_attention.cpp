@@ -1,5 +1,5 @@
 // Paged attention for query chunks of several tokens (prompts, their later chunks, the
-// rest of a prompt after a prefix-cache hit) on the CPU, bfloat16, head_dim 64 or 128,
+// rest of a prompt after a prefix-cache hit) on the CPU, bfloat16, head_dim 32, 64 or 128,
 // AVX512-BF16. Each new token attends causally over its request's whole context, read in
 // place through the block table: no gather copy, no mask tensor, one call per layer for
 // every chunk of the step.
@@ -125,22 +125,24 @@ void prefill_attention_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache
         _mm512_storeu_si512(probs.data() + t / 2 * kRows, _mm512_permutexvar_epi16(interleave, both));
       }
 
-      // out = p . v, kPvRows rows and 64 values at a time, over the pairs their last row sees
+      // out = p . v, kPvRows rows and 64 values at a time (32 at d 32), over the pairs their last row sees
+      constexpr int W = D < 64 ? 1 : 2;  // 32 values a register
       const bf16* vh = v_cache + h * D;
       for (int m0 = 0; m0 < num_rows; m0 += kPvRows) {
         const int64_t pairs = (pos[std::min<int64_t>(m0 + kPvRows, num_rows) - 1] + 2) / 2;
-        for (int d0 = 0; d0 < D; d0 += 64) {
-          __m512 lo[kPvRows][2], hi[kPvRows][2];
-          for (int m = 0; m < kPvRows; ++m) lo[m][0] = lo[m][1] = hi[m][0] = hi[m][1] = _mm512_setzero_ps();
+        for (int d0 = 0; d0 < D; d0 += 32 * W) {
+          __m512 lo[kPvRows][W], hi[kPvRows][W];
+          for (int m = 0; m < kPvRows; ++m)
+            for (int c = 0; c < W; ++c) lo[m][c] = hi[m][c] = _mm512_setzero_ps();
           for (int64_t j = 0; j < pairs; ++j) {
-            __m512bh xl[2], xh[2];
+            __m512bh xl[W], xh[W];
             const bf16* v0 = vh + rows[2 * j] + d0;
             const bf16* v1 = vh + rows[2 * j + 1] + d0;
-            for (int c = 0; c < 2; ++c) unpack_pairs(v0 + 32 * c, v1 + 32 * c, xl[c], xh[c]);
+            for (int c = 0; c < W; ++c) unpack_pairs(v0 + 32 * c, v1 + 32 * c, xl[c], xh[c]);
             const uint32_t* pj = probs.data() + j * kRows + m0;
             for (int m = 0; m < kPvRows; ++m) {
               const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pj[m]));
-              for (int c = 0; c < 2; ++c) {
+              for (int c = 0; c < W; ++c) {
                 lo[m][c] = _mm512_dpbf16_ps(lo[m][c], xl[c], p);
                 hi[m][c] = _mm512_dpbf16_ps(hi[m][c], xh[c], p);
               }
@@ -148,7 +150,7 @@ void prefill_attention_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache
           }
           for (int m = 0; m < kPvRows && m0 + m < num_rows; ++m) {
             bf16* o = out + (query_starts[r] + tok[m0 + m]) * num_heads * D + head[m0 + m] * D + d0;
-            for (int c = 0; c < 2; ++c) store_unpacked(o + 32 * c, lo[m][c], hi[m][c]);
+            for (int c = 0; c < W; ++c) store_unpacked(o + 32 * c, lo[m][c], hi[m][c]);
           }
         }
       }
@@ -183,7 +185,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
                 "paged_prefill_attention: block_table, seq_lens, query_starts and query_lens must be contiguous int32");
   }
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(1);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "paged_prefill_attention: head_dim must be 64 or 128, got ", head_dim);
+  TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128,
+              "paged_prefill_attention: head_dim must be 32, 64 or 128, got ", head_dim);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == head_dim && v_cache.sizes() == k_cache.sizes(),
               "paged_prefill_attention: caches must be [slots, kv_heads, head_dim], the same shape");
@@ -200,7 +203,9 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
                 " with seq_len ", lens[r], " (", q.size(0), " rows, ", max_blocks, " blocks of ", block_size, ")");
   }
 #if defined(__AVX512BF16__)
-  auto run = head_dim == 64 ? prefill_attention_bf16<64> : prefill_attention_bf16<128>;
+  auto run = head_dim == 32   ? prefill_attention_bf16<32>
+             : head_dim == 64 ? prefill_attention_bf16<64>
+                              : prefill_attention_bf16<128>;
   run(q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
       block_table.data_ptr<int32_t>(), lens, starts, qlens, out.data_ptr<c10::BFloat16>(), num_reqs, num_heads,
       num_kv_heads, block_size, max_blocks, static_cast<float>(scale));
