@@ -44,9 +44,9 @@ def stored_weight_bytes(model: torch.nn.Module) -> int:
 
     for m in model.modules():
         if isinstance(m, Linear):
-            for int8 in ("packed_int8", "amx_int8"):  # the CPU's int8 packings: a byte a weight each
-                if getattr(m, int8, None) is not None:
-                    total += m.in_features * m.out_features
+            # the CPU's int8 packings (fbgemm's, amx_int8_linear's): a step reads one, a byte a weight
+            if getattr(m, "packed_int8", None) is not None or getattr(m, "amx_int8", None) is not None:
+                total += m.in_features * m.out_features
             count(m.packed)  # oneDNN's layout on the CPU (a step reads it or the plain copy, not both)
             if m.packed is None:
                 count(m.weight)
