@@ -255,3 +255,35 @@ def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, mo
     assert accepted >= 0.97 * drafted > 0
     assert len(calls) > 6 and len(choices_before_resting) > 6  # it chose, and it rested
     assert len(set(choices_before_resting)) < len(choices_before_resting)  # rests of more than a step
+
+
+def test_fused_draft_forward_equals_the_modules():
+    """Where the built-in draft model's layers run on amx_linear (a CPU with AMX, bfloat16), its
+    forwards of one token a request run in one native call (executor/spec/fused_draft.py):
+    each gives the modules' hidden states bit for bit, at one request and at several."""
+    import numpy as np
+    import torch
+
+    from tokenmill.executor.attention import AttentionMetadata
+
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="bfloat16", max_num_seqs=3,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False})
+    drafter = llm.engine.runner.drafter
+    if drafter.fused is None:
+        pytest.skip("the one-call draft forward needs amx_linear (AMX-BF16) and bfloat16")
+    kernels, rows = drafter.kernels, []
+
+    class Both:
+        @staticmethod
+        def small_llama_decode(model, ids, positions, slots, table, seq_lens, block_size):
+            fused = kernels.small_llama_decode(model, ids, positions, slots, table, seq_lens, block_size)
+            # the modules over the same rows (the same K/V written again), their attention planned as _forward does
+            drafter.attn.begin_step(AttentionMetadata.from_host(np.ones(len(ids), dtype=np.int32), seq_lens.numpy(),
+                                                                table.numpy(), slots, block_size, torch.from_numpy))
+            assert torch.equal(fused, drafter.model(ids, positions, drafter.attn))
+            rows.append(len(ids))
+            return fused
+
+    drafter.kernels = Both
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert rows and min(rows) == 1 and max(rows) == 3

@@ -32,7 +32,7 @@ logger = logging.getLogger("tokenmill")
 _SRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "attention.cpp", "decode_attention_avx2.cpp", "decode_attention_int8.cpp",
             "decode_attention_fp8.cpp", "prefill_attention.cpp", "elementwise.cpp", "sampling.cpp", "int8_linear.cpp",
-            "small_linear.cpp", "small_linear_bf16.cpp", "amx_linear.cpp")
+            "small_linear.cpp", "small_linear_bf16.cpp", "amx_linear.cpp", "small_decode.cpp")
 _HEADERS = tuple(sorted(p.name for p in _SRC.glob("*.h")))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 

@@ -23,6 +23,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                               c10::optional<torch::Tensor> bias, int64_t out);
 void bind_int8_linear(pybind11::module& m);
+void bind_small_decode(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -57,4 +58,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pack_int8_quads with its output channels' scales, in a multiple of 64 (AMX)",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"), py::arg("out"));
   bind_int8_linear(m);  // where torch has fbgemm (x86-64)
+  bind_small_decode(m);
 }

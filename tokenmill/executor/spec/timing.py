@@ -49,6 +49,7 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     per_seq = -(-context // bs)
     backend = runner.make_backend(runner.kv_cache)
     put = runner.staging.to_device
+    model = getattr(runner, "decode_model", runner.model)  # a draft model's one-call forward, where it has one
     if argmax is None:
         def argmax(hidden: torch.Tensor) -> torch.Tensor:
             return runner.sampler._argmax(runner.model.compute_logits(hidden))
@@ -67,7 +68,7 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
             runner.staging.begin()
             backend.begin_step(AttentionMetadata.from_host(query_lens, np.full(n, seq_len, dtype=np.int32),
                                                            block_table, put(slots), bs, put))
-            hidden = runner.model(put(np.zeros(n * query, dtype=np.int64)), put(positions), backend)
+            hidden = model(put(np.zeros(n * query, dtype=np.int64)), put(positions), backend)
             if query > 1:
                 hidden = hidden[query - 1::query]
             ids = argmax(hidden)
