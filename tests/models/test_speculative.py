@@ -259,8 +259,9 @@ def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, mo
 
 def test_fused_draft_forward_equals_the_modules():
     """Where the built-in draft model's layers run on amx_linear (a CPU with AMX, bfloat16), its
-    forwards of one token a request run in one native call (executor/spec/fused_draft.py):
-    each gives the modules' hidden states bit for bit, at one request and at several."""
+    forwards run in one native call (executor/spec/fused_draft.py), each token a row of its own
+    (one a request for later drafts; a request's new tokens, or a catch-up, in a step's first
+    forward): each gives the modules' hidden states over the same rows bit for bit."""
     import numpy as np
     import torch
 
@@ -286,4 +287,4 @@ def test_fused_draft_forward_equals_the_modules():
 
     drafter.kernels = Both
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert rows and min(rows) == 1 and max(rows) == 3
+    assert rows and min(rows) == 1 and max(rows) > 3  # later drafts of 1-3 requests, first forwards of more tokens

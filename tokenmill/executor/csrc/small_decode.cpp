@@ -1,10 +1,10 @@
-// One decode forward of a small Llama in one call: every request one token, every linear layer
-// on amx_linear, a bfloat16 paged KV cache. This is the built-in draft model's forward for its
-// drafts after the first, and for its start-up timing (executor/spec/fused_draft.py). Through
-// the Python modules the same forward (2 layers, hidden 128) took 0.20-0.27 ms at one request on
-// a 2-core Xeon, of which its kernels are about 0.04 ms: the rest was the modules' calls; here
-// 0.06 ms. The same kernels run in the same order on the same tensors, so the result is the
-// modules' bit for bit.
+// One decode forward of a small Llama in one call: each token a row of its own, attending to its
+// context up to itself, every linear layer on amx_linear, a bfloat16 paged KV cache. This is the
+// built-in draft model's forward in the engine's step (executor/spec/draft.py, _decode_rows) and
+// in its start-up timing (executor/spec/fused_draft.py). Through the Python modules the same
+// forward (2 layers, hidden 128) took 0.20-0.27 ms at one request on a 2-core Xeon, of which its
+// kernels are about 0.04 ms: the rest was the modules' calls; here 0.06 ms. The same kernels run
+// in the same order on the same tensors, so the result is the modules' bit for bit.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -38,9 +38,9 @@ struct SmallLlama {
   double eps = 0.0, scale = 0.0;
 };
 
-// LlamaForCausalLM.forward for one token a request (ids, positions [n] int64), attention over the
-// requests' block_table [n, max_blocks] and seq_lens [n] (int32, the new token included), the new
-// K/V into slot_mapping [n]: the final norm's output [n, hidden]
+// LlamaForCausalLM.forward of n rows (ids, positions [n] int64), row i attending over block_table[i]
+// [n, max_blocks] to seq_lens[i] tokens (int32, its own included: its request's row and its
+// position + 1), the new K/V into slot_mapping [n] first: the final norm's output [n, hidden]
 torch::Tensor small_llama_decode(const SmallLlama& m, torch::Tensor ids, torch::Tensor positions,
                                  torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
                                  int64_t block_size) {

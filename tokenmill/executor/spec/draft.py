@@ -244,7 +244,13 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         # decode-shaped (what the learnt cost times): no catch-up, each request's last known
         # token, its accepted drafts and the next token at most
         decode = not chunks and bool(query_lens.max() <= 2 + self.config.num_speculative_tokens)
-        tokens, _ = self._forward(query_lens, starts, table, ids, last, decode)
+        if self.fused is not None and len(ids) <= self.fused_rows:  # each token a row of its own
+            owner = np.repeat(np.arange(len(rows)), query_lens)
+            at = np.repeat(starts, query_lens) + np.arange(len(ids)) - np.repeat(np.cumsum(query_lens) - query_lens,
+                                                                                 query_lens)
+            tokens = self._decode_rows(at, table[owner], ids, last, decode)
+        else:
+            tokens, _ = self._forward(query_lens, starts, table, ids, last, decode)
         for _, request, start, chunk in chunks:
             self.computed[request.request_id] = start + len(chunk)
         if not drafting:
@@ -257,7 +263,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
             active = np.flatnonzero(ks > step)
             latest = [drafts[a][-1] for a in active]
             if self.fused is not None and len(active) <= self.fused_rows:
-                nxt = self._decode_one(positions[active] + step - 1, table[active], latest)
+                nxt = self._decode_rows(positions[active] + step - 1, table[active], latest)
             else:
                 nxt, _ = self._forward(np.ones(len(active), dtype=np.int32), positions[active] + step - 1,
                                        table[active], latest, np.arange(len(active)))
@@ -287,11 +293,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         if features is not None:
             source, rows = features
             extra = (source if rows is None or len(rows) == len(source) else source[put(rows.astype(np.int64))],)
-        ids_t = put(np.array(ids, dtype=np.int64))
-        if extra:
-            hidden = self.model(ids_t, put(positions), self.attn, *extra)
-        else:
-            hidden = self.decode_model(ids_t, put(positions), self.attn)
+        hidden = self.model(put(np.array(ids, dtype=np.int64)), put(positions), self.attn, *extra)
         tokens = []
         if len(logits_rows) == 0:
             hidden = hidden[:0]
@@ -309,33 +311,38 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
                 self.draft_cost.observe_catch_up(took / len(ids))
         return tokens, hidden
 
-    def _decode_one(self, positions: np.ndarray, table: np.ndarray, ids: list[int]) -> list[int]:
-        """A draft forward of one token a request (`ids` at `positions`, each request's row of
-        `table`) through the one-call forward, with no attention plan: its slots and lengths
-        come from the positions here (on the CPU, where it runs, numpy's arrays are the
-        tensors). At one request the built-in draft's forward then cost 0.14 ms a draft, against
-        0.26 ms through _forward and 0.40 ms through the modules (2-core Xeon)."""
+    def _decode_rows(self, positions: np.ndarray, table: np.ndarray, ids: list[int],
+                     logits_rows: np.ndarray | None = None, decode: bool = True) -> list[int]:
+        """A draft forward through the one-call forward, each token a row of its own (`ids` at
+        `positions`, each with its request's row of `table`; a request's tokens in order, each
+        attending to the context up to itself, as the decode rows of a short query do in
+        _forward), with no attention plan: the slots and lengths come from the positions here
+        (on the CPU, where it runs, numpy's arrays are the tensors). The drafts at
+        `logits_rows` (default: every row). At one request the built-in draft's forward of a
+        later draft cost 0.14 ms, against 0.26 ms through _forward and 0.40 ms through the
+        modules (2-core Xeon)."""
         start = time.perf_counter()
+        tokens = self.decode_rows(positions, table, ids, logits_rows)
+        took = time.perf_counter() - start
+        if decode:
+            self.forwards.append(len(ids))
+            self.forward_seconds += took
+        else:
+            self.catch_up_seconds += took
+        return tokens
+
+    def decode_rows(self, positions: np.ndarray, table: np.ndarray, ids: list[int],
+                    logits_rows: np.ndarray | None = None) -> list[int]:
+        """_decode_rows's forward and drafts, without its bookkeeping (the start-up timing in
+        spec/timing.py times this where fused_rows allows)."""
         bs = self.block_size
         slots = table[np.arange(len(ids)), positions // bs].astype(np.int64) * bs + positions % bs
         t = torch.from_numpy
         hidden = self.kernels.small_llama_decode(self.fused, t(np.array(ids, dtype=np.int64)), t(positions), t(slots),
                                                  t(table), t((positions + 1).astype(np.int32)), bs)
-        tokens = self._argmax(hidden).tolist()
-        self.forwards.append(len(ids))
-        self.forward_seconds += time.perf_counter() - start
-        return tokens
-
-    def decode_model(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """self.model(ids, positions, attn), in one native call where it applies: one token a
-        request, at most fused_rows of them (executor/spec/fused_draft.py). The start-up timing
-        (spec/timing.py) runs its forwards through this too."""
-        if self.fused is not None and attn.chunks is None and attn.decodes is not None \
-                and len(ids) == len(attn.md.query_lens_cpu) and len(ids) <= self.fused_rows:
-            d = attn.decodes
-            return self.kernels.small_llama_decode(self.fused, ids, positions, attn.md.slot_mapping, d.block_table,
-                                                   d.seq_lens, self.block_size)
-        return self.model(ids, positions, attn)
+        if logits_rows is not None and len(logits_rows) != len(ids):
+            hidden = hidden[t(np.asarray(logits_rows, dtype=np.int64))]
+        return self._argmax(hidden).tolist() if len(hidden) else []
 
     # -- after the scheduler took the step's tokens ----------------------------------
     def propose(self, requests: list[Request], num_running: int, accepted: int, rejected: int,
