@@ -306,10 +306,15 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         if decode:
             self.forward_seconds += took
         else:
-            self.catch_up_seconds += took
-            if self.draft_cost is not None and len(ids) >= CATCH_UP_ROWS:
-                self.draft_cost.observe_catch_up(took / len(ids))
+            self._caught_up(took, len(ids))
         return tokens, hidden
+
+    def _caught_up(self, seconds: float, rows: int) -> None:
+        """A forward with catch-up rows took `seconds`: the step's catch-up time, and what a
+        catch-up token costs (learnt from forwards of CATCH_UP_ROWS rows or more)."""
+        self.catch_up_seconds += seconds
+        if self.draft_cost is not None and rows >= CATCH_UP_ROWS:
+            self.draft_cost.observe_catch_up(seconds / rows)
 
     def _decode_rows(self, positions: np.ndarray, table: np.ndarray, ids: list[int],
                      logits_rows: np.ndarray | None = None, decode: bool = True) -> list[int]:
@@ -328,7 +333,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
             self.forwards.append(len(ids))
             self.forward_seconds += took
         else:
-            self.catch_up_seconds += took
+            self._caught_up(took, len(ids))
         return tokens
 
     def decode_rows(self, positions: np.ndarray, table: np.ndarray, ids: list[int],
