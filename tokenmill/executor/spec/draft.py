@@ -245,10 +245,8 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         # token, its accepted drafts and the next token at most
         decode = not chunks and bool(query_lens.max() <= 2 + self.config.num_speculative_tokens)
         if self.fused is not None and len(ids) <= self.fused_rows:  # each token a row of its own
-            owner = np.repeat(np.arange(len(rows)), query_lens)
-            at = np.repeat(starts, query_lens) + np.arange(len(ids)) - np.repeat(np.cumsum(query_lens) - query_lens,
-                                                                                 query_lens)
-            tokens = self._decode_rows(at, table[owner], ids, last, decode)
+            at, _ = token_slots(query_lens, starts, table, self.block_size)
+            tokens = self._decode_rows(at, table[np.repeat(np.arange(len(rows)), query_lens)], ids, last, decode)
         else:
             tokens, _ = self._forward(query_lens, starts, table, ids, last, decode)
         for _, request, start, chunk in chunks:
@@ -341,6 +339,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         """_decode_rows's forward and drafts, without its bookkeeping (the start-up timing in
         spec/timing.py times this where fused_rows allows)."""
         bs = self.block_size
+        # token_slots' slots where each row is one token (without its general form's numpy calls)
         slots = table[np.arange(len(ids)), positions // bs].astype(np.int64) * bs + positions % bs
         t = torch.from_numpy
         hidden = self.kernels.small_llama_decode(self.fused, t(np.array(ids, dtype=np.int64)), t(positions), t(slots),

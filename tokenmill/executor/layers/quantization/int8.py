@@ -95,8 +95,8 @@ def scale_rows(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8LinearMethod:
     """The layer loads its 16-bit weight as usual; after loading, it is quantized and packed
-    for fbgemm and the 16-bit copy is dropped. The bias stays in the layer's dtype and is
-    added after the rescale."""
+    for the layer's GEMMs (`pack`) and the 16-bit copy is dropped. The bias stays in the
+    layer's dtype and is added after the rescale."""
 
     def __init__(self, kernels: ModuleType | None, qmax: int | None = None, onednn: bool | None = None,
                  amx: bool | None = None) -> None:
