@@ -32,6 +32,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "bf16_out.h"
 #include "dispatch.h"
 #include "quantize.h"
 
@@ -129,10 +130,6 @@ inline void tile_dp() {
 #undef TILE_DPS
 #undef TILE_DP
 
-inline __mmask16 block_mask(int64_t out, int64_t o) {
-  return out - o >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (out - o)) - 1);
-}
-
 // bfloat16 sums: rows of 16 float32 sums (+ the bias) into y's outputs o..o + 15 (fewer at the end)
 struct Bf16Out {
   const at::BFloat16* bias;
@@ -143,13 +140,8 @@ struct Bf16Out {
 
   void operator()(const float* acc, int64_t row, int rows, int64_t o) const {
     const __mmask16 mask = block_mask(out, o);
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr)  // bfloat16 is a float32's upper half
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + o)), 16));
-    for (int m = 0; m < rows; m++) {
-      const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + m * 16), b));
-      _mm256_mask_storeu_epi16(y + (row + m) * out + o, mask, (__m256i)r);
-    }
+    const __m512 b = bias16(bias, o, mask);
+    for (int m = 0; m < rows; m++) store_sum16(y + (row + m) * out, o, mask, _mm512_loadu_ps(acc + m * 16), b);
   }
 };
 

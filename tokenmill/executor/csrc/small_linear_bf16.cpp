@@ -19,7 +19,10 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "bf16_out.h"
+
 namespace {
+using namespace tokenmill;
 
 constexpr int64_t MAX_ROWS = 16;
 
@@ -44,14 +47,9 @@ void blocks(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int6
   for (int n = 0; n < NB; n++) {
     const int64_t o = (b0 + n) * 16;
     if (o >= out) break;
-    const __mmask16 mask = out - o >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (out - o)) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr)  // bfloat16 is a float32's upper half
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + o)), 16));
-    for (int m = 0; m < M; m++) {
-      const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][n], b));
-      _mm256_mask_storeu_epi16(y + m * out + o, mask, (__m256i)r);
-    }
+    const __mmask16 mask = block_mask(out, o);
+    const __m512 b = bias16(bias, o, mask);
+    for (int m = 0; m < M; m++) store_sum16(y + m * out, o, mask, acc[m][n], b);
   }
 }
 
