@@ -261,7 +261,8 @@ def test_fused_draft_forward_equals_the_modules():
     """Where the built-in draft model's layers run on amx_linear (a CPU with AMX, bfloat16), its
     forwards run in one native call (executor/spec/fused_draft.py), each token a row of its own
     (one a request for later drafts; a request's new tokens, or a catch-up, in a step's first
-    forward): each gives the modules' hidden states over the same rows bit for bit."""
+    forward): each gives the modules' hidden states over the same rows bit for bit, and where the
+    drafts' head joins the call (small_llama_draft), the drafts of the modules' argmax."""
     import numpy as np
     import torch
 
@@ -272,7 +273,7 @@ def test_fused_draft_forward_equals_the_modules():
     drafter = llm.engine.runner.drafter
     if drafter.fused is None:
         pytest.skip("the one-call draft forward needs amx_linear (AMX-BF16) and bfloat16")
-    kernels, rows = drafter.kernels, []
+    kernels, rows, drafted = drafter.kernels, [], []
 
     class Both:
         @staticmethod
@@ -285,6 +286,18 @@ def test_fused_draft_forward_equals_the_modules():
             rows.append(len(ids))
             return fused
 
+        @staticmethod
+        def small_llama_draft(model, ids, positions, table, block_size, at=None):
+            slots = table[torch.arange(len(ids)), positions // block_size].long() * block_size + positions % block_size
+            hidden = Both.small_llama_decode(model, torch.tensor(ids), positions, slots, table,
+                                             (positions + 1).int(), block_size)
+            drafts = kernels.small_llama_draft(model, ids, positions, table, block_size, at)
+            assert drafts == drafter._argmax(hidden if at is None else hidden[at]).tolist()
+            drafted.append(len(drafts))
+            return drafts
+
     drafter.kernels = Both
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     assert rows and min(rows) == 1 and max(rows) > 3  # later drafts of 1-3 requests, first forwards of more tokens
+    # the built-in drafter's head (its token map's 2048 rows) runs on amx_linear: every forward drafts in the call
+    assert drafter.fused_drafts and len(drafted) == len(rows)

@@ -21,6 +21,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                             torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale,
                             c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 namespace py = pybind11;
 
@@ -36,6 +37,10 @@ struct SmallLlama {
   std::vector<SmallLayer> layers;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, hidden = 0, intermediate = 0;
   double eps = 0.0, scale = 0.0;
+  // the drafts' LM head (laid out for amx_linear, head_out logits) and the token id of each
+  // logit (a token map), if any: small_llama_draft's argmax
+  torch::Tensor head, head_ids;
+  int64_t head_out = 0;
 };
 
 // LlamaForCausalLM.forward of n rows (ids, positions [n] int64), row i attending over block_table[i]
@@ -76,6 +81,47 @@ torch::Tensor small_llama_decode(const SmallLlama& m, torch::Tensor ids, torch::
   return rms_norm(x, residual, m.final_norm, m.eps);
 }
 
+// small_llama_decode of `ids` at `positions` (int64 [n]), row i attending over block_table[i]
+// (int32 [n, max_blocks]) up to itself, then the drafts at `rows` (all rows if none): the argmax
+// of the head's logits (the first on ties), mapped to token ids by head_ids. The slots and the
+// lengths come from the positions here, and the ids come and go as lists: at one request the
+// head, the argmax and those steps took 25-45 us a forward in Python on a 2-core Xeon, where the
+// forward itself is 60 us
+std::vector<int64_t> small_llama_draft(const SmallLlama& m, const std::vector<int64_t>& ids, torch::Tensor positions,
+                                       torch::Tensor block_table, int64_t block_size,
+                                       c10::optional<torch::Tensor> rows) {
+  TORCH_CHECK(m.head.defined(), "small_llama_draft: the model was built without a head");
+  const int64_t n = static_cast<int64_t>(ids.size());
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.dim() == 1 && positions.size(0) == n,
+              "small_llama_draft: positions must be int64 [", n, "], one an id");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 && block_table.size(0) == n,
+              "small_llama_draft: block_table must be int32 [", n, ", max_blocks], one row an id");
+  TORCH_CHECK(block_size > 0, "small_llama_draft: block_size must be positive, got ", block_size);
+  positions = positions.contiguous();
+  block_table = block_table.contiguous();
+  const int64_t width = block_table.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  torch::Tensor slots = torch::empty({n}, positions.options());
+  torch::Tensor seq_lens = torch::empty({n}, block_table.options());
+  int64_t* slot = slots.data_ptr<int64_t>();
+  int32_t* len = seq_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] / block_size < width, "small_llama_draft: position ", pos[i],
+                " is outside its block table row (", width, " blocks of ", block_size, ")");
+    slot[i] = static_cast<int64_t>(table[i * width + pos[i] / block_size]) * block_size + pos[i] % block_size;
+    len[i] = static_cast<int32_t>(pos[i] + 1);
+  }
+  const torch::Tensor id_tensor = torch::tensor(ids, positions.options());
+  torch::Tensor hidden = small_llama_decode(m, id_tensor, positions, slots, block_table, seq_lens, block_size);
+  if (rows.has_value() && rows->size(0) != n) hidden = hidden.index_select(0, *rows);
+  if (hidden.size(0) == 0) return {};
+  torch::Tensor best = argmax_rows(amx_linear(hidden, m.head, c10::nullopt, m.head_out));
+  if (m.head_ids.defined()) best = m.head_ids.index_select(0, best);
+  const int64_t* b = best.data_ptr<int64_t>();
+  return std::vector<int64_t>(b, b + best.size(0));
+}
+
 }  // namespace
 
 void bind_small_decode(py::module& m) {
@@ -87,16 +133,31 @@ void bind_small_decode(py::module& m) {
   py::class_<SmallLlama>(m, "SmallLlama")
       .def(py::init([](torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos_sin,
                        std::vector<SmallLayer> layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t intermediate, double eps, double scale) {
+                       int64_t intermediate, double eps, double scale, c10::optional<torch::Tensor> head,
+                       int64_t head_out, c10::optional<torch::Tensor> head_ids) {
              SmallLlama s{embed, final_norm, cos_sin, std::move(layers)};
              s.heads = heads, s.kv_heads = kv_heads, s.head_dim = head_dim, s.hidden = embed.size(1);
              s.intermediate = intermediate, s.eps = eps, s.scale = scale;
+             if (head.has_value()) {
+               TORCH_CHECK(head_out > 0, "SmallLlama: head_out must be the head's logits a row, got ", head_out);
+               TORCH_CHECK(!head_ids.has_value() || (head_ids->dim() == 1 && head_ids->size(0) == head_out &&
+                                                     head_ids->scalar_type() == torch::kInt64),
+                           "SmallLlama: head_ids must be head_out (", head_out, ") int64 token ids");
+               s.head = *head, s.head_out = head_out;
+               if (head_ids.has_value()) s.head_ids = *head_ids;
+             }
              return s;
            }),
            py::arg("embed"), py::arg("final_norm"), py::arg("cos_sin"), py::arg("layers"), py::arg("heads"),
-           py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"));
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
+           py::arg("head") = py::none(), py::arg("head_out") = 0, py::arg("head_ids") = py::none());
   m.def("small_llama_decode", &small_llama_decode,
         "a small Llama's decode forward, one token a request, in one call (amx_linear layers, a bf16 cache)",
         py::arg("model"), py::arg("ids"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("block_size"));
+  m.def("small_llama_draft", &small_llama_draft,
+        "small_llama_decode (slots and lengths from the positions), then the argmax of the model's head at the "
+        "given rows, as token ids",
+        py::arg("model"), py::arg("ids"), py::arg("positions"), py::arg("block_table"), py::arg("block_size"),
+        py::arg("rows") = py::none());
 }

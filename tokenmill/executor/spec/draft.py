@@ -90,7 +90,8 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         self.attn = self.make_backend(self.kv_cache)
         # where it applies, the decode forwards of one token a request run in one native call
         self.kernels = kernels
-        self.fused, self.fused_rows = fused_decoder(self.model, self.kv_cache, self.attn, kernels) or (None, 0)
+        self.fused, self.fused_rows, self.fused_drafts = \
+            fused_decoder(self.model, self.kv_cache, self.attn, kernels, self.vocab) or (None, 0, False)
         self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V is in the cache
         self.drafts: dict[str, list[int]] = {}  # made this step, for the next
         self.prior = 0.5  # acceptance over all requests so far: the start of each request's own
@@ -338,10 +339,12 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
                     logits_rows: np.ndarray | None = None) -> list[int]:
         """_decode_rows's forward and drafts, without its bookkeeping (the start-up timing in
         spec/timing.py times this where fused_rows allows)."""
-        bs = self.block_size
+        bs, t = self.block_size, torch.from_numpy
+        if self.fused_drafts:  # the head and the argmax in the same call, the slots computed there
+            rows = None if logits_rows is None else t(np.asarray(logits_rows, dtype=np.int64))
+            return self.kernels.small_llama_draft(self.fused, ids, t(positions), t(table), bs, rows)
         # token_slots' slots where each row is one token (without its general form's numpy calls)
         slots = table[np.arange(len(ids)), positions // bs].astype(np.int64) * bs + positions % bs
-        t = torch.from_numpy
         hidden = self.kernels.small_llama_decode(self.fused, t(np.array(ids, dtype=np.int64)), t(positions), t(slots),
                                                  t(table), t((positions + 1).astype(np.int32)), bs)
         if logits_rows is not None and len(logits_rows) != len(ids):

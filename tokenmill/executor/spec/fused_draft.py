@@ -2,7 +2,8 @@
 model is a plain Llama whose every linear layer runs on amx_linear over a bfloat16 cache: the
 built-in draft model on a CPU with AMX. Through the Python modules its forward of one token
 cost 0.27 ms at one request on a 2-core Xeon, its kernels about 0.04 ms of it; a draft model
-makes k drafts with k forwards a step, so that time decides whether drafting pays. The same
+makes k drafts with k forwards a step, so that time decides whether drafting pays. The drafts'
+LM head and argmax join the call where their head runs on amx_linear too. The same
 kernels run in the same order, so the output equals the modules' bit for bit
 (tests/models/test_speculative.py)."""
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 from functools import partial
 from types import ModuleType
 
+import torch
 from torch import nn
 
 from tokenmill.executor.attention.cpu import CpuBackend
 from tokenmill.executor.attention.kv_cache import KVCache
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.models.llama import LlamaForCausalLM
+from tokenmill.executor.spec.vocab import DraftVocab
 
 
 def _amx_rows(linear: Linear, kernels: ModuleType) -> int:
@@ -28,9 +31,12 @@ def _amx_rows(linear: Linear, kernels: ModuleType) -> int:
     return linear.small_rows
 
 
-def fused_decoder(model: nn.Module, kv_cache: KVCache, attn, kernels: ModuleType | None):
-    """(kernels.SmallLlama, the most requests a forward may have) for `model`, or None where the
-    one-call forward does not apply (then the modules run)."""
+def fused_decoder(model: nn.Module, kv_cache: KVCache, attn, kernels: ModuleType | None,
+                  vocab: DraftVocab | None = None):
+    """(kernels.SmallLlama, the most rows a forward may have, whether it drafts) for `model`, or
+    None where the one-call forward does not apply (then the modules run). It drafts
+    (kernels.small_llama_draft: the argmax in the same call) where the drafts' LM head, `vocab`'s
+    (a token map) or else the model's, runs on amx_linear too."""
     if kernels is None or not hasattr(kernels, "small_llama_decode") or not kernels.has_amx_linear \
             or type(model) is not LlamaForCausalLM or model.tp is not None \
             or not isinstance(model.embed_tokens, nn.Embedding) or not isinstance(attn, CpuBackend) \
@@ -49,8 +55,12 @@ def fused_decoder(model: nn.Module, kv_cache: KVCache, attn, kernels: ModuleType
                                          mlp.down_proj.small, k_cache, v_cache))
     if not layers or min(rows) == 0:
         return None
+    head = vocab.head if vocab is not None else model.lm_head
+    head_rows = _amx_rows(head, kernels) if isinstance(head, Linear) and model.tp is None else 0
     first = model.layers[0].self_attn
     fused = kernels.SmallLlama(model.embed_tokens.weight, model.norm.weight, model.rotary.cos_sin, layers,
                                first.num_heads, first.num_kv_heads, first.head_dim,
-                               model.layers[0].mlp.down_proj.in_features, eps, first.head_dim ** -0.5)
-    return fused, min(rows)
+                               model.layers[0].mlp.down_proj.in_features, eps, first.head_dim ** -0.5,
+                               head.small if head_rows else None, head.out_features if head_rows else 0,
+                               vocab.ids.to(torch.int64) if head_rows and vocab is not None else None)
+    return fused, min(rows + [head_rows] if head_rows else rows), bool(head_rows)
