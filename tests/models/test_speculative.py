@@ -137,6 +137,12 @@ def test_stop_strings_eos_and_max_tokens_count_tokens_one_by_one(engines):
 
 
 @pytest.fixture(scope="module")
+def adaptive_draft():
+    """The built-in model with its built-in draft, adaptive (the default)."""
+    return LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={"method": "draft_model", "num_speculative_tokens": 4})
+
+
+@pytest.fixture(scope="module")
 def draft():
     """The built-in model with its built-in draft (the default draft for it)."""
     return LLM(dtype="float32", kv_cache_memory="16MiB",
@@ -255,6 +261,27 @@ def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, mo
     assert accepted >= 0.97 * drafted > 0
     assert len(calls) > 6 and len(choices_before_resting) > 6  # it chose, and it rested
     assert len(set(choices_before_resting)) < len(choices_before_resting)  # rests of more than a step
+
+
+def test_a_catch_up_forward_is_split_into_its_drafting_rows_and_the_catch_up(adaptive_draft):
+    """A draft forward whose rows catch up with a request (a prompt) besides the drafting
+    requests' own rows: those own rows count as a decode-shaped forward at their learnt cost,
+    the rest of its time is the step's measured catch-up (what the calibration leaves out),
+    and a catch-up of CATCH_UP_ROWS rows or more teaches what a catch-up token costs."""
+    drafter = adaptive_draft.engine.runner.drafter
+    cost = drafter.draft_cost
+    adaptive_draft.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    drafter._new_step()
+    priced = float(cost.forward(3)) + cost.overhead
+    rate = cost.catch_up
+    drafter._timed(priced + 0.004, 403, 400)  # 3 rows of its own, 400 catching up in 4 ms more
+    assert drafter.forwards == [3] and drafter.forward_seconds == pytest.approx(priced)
+    assert drafter.catch_up_seconds == pytest.approx(0.004)
+    assert cost.catch_up == pytest.approx(0.9 * rate + 0.1 * min(0.004 / 400, 4 * rate))
+    drafter._timed(0.0001, 2, 0)  # decode-shaped: all its own
+    assert drafter.forwards == [3, 2] and drafter.catch_up_seconds == pytest.approx(0.004)
+    drafter._timed(0.5 * priced, 403, 400)  # faster than its own rows' price: no catch-up time
+    assert drafter.catch_up_seconds == pytest.approx(0.004)
 
 
 def test_fused_draft_forward_equals_the_modules():

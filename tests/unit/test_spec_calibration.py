@@ -25,10 +25,15 @@ def test_calibration_learns_what_drafts_really_added_clips_stalls_and_fades():
         cal.observe(2.0, 0.005, 1.0, 0.010)
     assert cal.tokens == pytest.approx(0.5, abs=0.01) and cal.seconds == pytest.approx(2.0, abs=0.02)
     fresh = Calibration()
-    fresh.observe(2.0, 0.005, 2.0, 100.0)  # a stall counts for 4x the prediction, after two steps as predicted
-    assert fresh.seconds == pytest.approx((0.95 * 2 * 0.005 + 4 * 0.005) / (0.95 * 2 * 0.005 + 0.005))
+    d, w = fresh.decay ** 2, fresh.prior_tokens / 2  # a step's decay by its 2 tokens; the prior's steps
+    fresh.observe(2.0, 0.005, 2.0, 100.0)  # a stall counts for 4x the prediction, after the prior as predicted
+    assert fresh.seconds == pytest.approx((d * w * 0.005 + 4 * 0.005) / (d * w * 0.005 + 0.005))
     fresh.observe(2.0, 0.005, 2.0, -1.0)  # a step faster than its cost without drafts: no time added
-    assert fresh.sums[2] == pytest.approx(0.95 * (0.95 * 2 * 0.005 + 4 * 0.005))
+    assert fresh.sums[2] == pytest.approx(d * (d * w * 0.005 + 4 * 0.005))
+    wide = Calibration()  # a step of 40 predicted tokens (a large batch) decays the sums as 20 steps of 2 do
+    wide.observe(40.0, 0.005, 40.0, 0.005)
+    wide.observe(40.0, 0.005, 20.0, 0.005)
+    assert wide.sums[0] == pytest.approx(fresh.decay ** 40 * (fresh.decay ** 40 * fresh.prior_tokens + 40) + 20)
     for _ in range(200):  # steps without drafts: the ratios return towards 1, slowly
         cal.fade()
     assert 1.5 < cal.seconds < 1.9 and 0.5 < cal.tokens < 0.65
@@ -43,7 +48,8 @@ def test_choosing_scales_by_the_calibration_and_leaves_its_prediction():
     ks = choose_num_drafts([0.9, 0.5], [4, 4], 2, mid, calibration=cal)
     assert ks == [4, 4]
     gains = sum(0.9 ** j + 0.5 ** j for j in range(1, 5))
-    assert cal.chosen == pytest.approx((gains, float(mid.forward(10) - mid.forward(2)), 0.0))
+    verifying = float(mid.forward(10) - mid.forward(2))  # (no draft model: all of it the target's)
+    assert cal.chosen == pytest.approx((gains, verifying, verifying))
     cal.seconds = 4.0  # drafts cost 4x what the model says: the least likely goes
     assert choose_num_drafts([0.9, 0.5], [4, 4], 2, mid, calibration=cal) == [4, 3]
     steep = StepCost([1, 1024], [0.010, 0.3])  # 0.28 ms a token, against 5 ms a token for the step
@@ -70,7 +76,7 @@ def test_a_step_is_compared_with_the_choice_made_before_it():
     proposer.observe_step(step([[], []]), 0.012, accepted=0)  # a plain step: 2 ms of overhead
     assert cost.overhead == pytest.approx(0.1 * 0.002, rel=0.01)
     assert proposer.dry_steps == 1 and proposer.calibration.sums is None
-    proposer.calibration.chosen = (3.0, 0.004, 0.0)  # this step chooses drafts predicted to add 3 tokens in 4 ms
+    proposer.calibration.chosen = (3.0, 0.004, 0.004)  # this step chooses drafts predicted to add 3 tokens in 4 ms
     proposer.seconds = 0.001  # of its 13 ms, 1 ms is drafting for the next step
     proposer.observe_step(step([[], []]), 0.013, accepted=0)
     assert proposer.calibration.sums is None  # (its own drafts were chosen in the step before: none)
@@ -78,9 +84,10 @@ def test_a_step_is_compared_with_the_choice_made_before_it():
     proposer.seconds = 0.0
     proposer.observe_step(step([[5, 6, 7], [8]]), 0.020, accepted=2)  # verifies them: 2 accepted
     added = 0.001 + 0.020 - base
-    w = 2 * 0.95  # the prior's two steps, decayed once
-    assert proposer.calibration.tokens == pytest.approx((w * 3 + 2) / (w * 3 + 3))
-    assert proposer.calibration.seconds == pytest.approx((w * 0.004 + added) / (w * 0.004 + 0.004))
+    cal = proposer.calibration
+    d, w = cal.decay ** 3, cal.prior_tokens / 3  # the prior's steps of 3 tokens, decayed once
+    assert cal.tokens == pytest.approx((d * w * 3 + 2) / (d * w * 3 + 3))
+    assert cal.seconds == pytest.approx((d * w * 0.004 + added) / (d * w * 0.004 + 0.004))
     assert cost.overhead == pytest.approx(0.9 * 0.1 * 0.002 + 0.1 * (0.012 - 0.01), rel=0.01)  # not from it
     assert proposer.dry_steps == 0 and proposer.plain_steps_ago == 1
     for _ in range(MEASURE_EVERY - 1):
@@ -89,12 +96,13 @@ def test_a_step_is_compared_with_the_choice_made_before_it():
     assert proposer.measuring  # a step in MEASURE_EVERY verifies none
 
 
-def test_a_catch_up_is_left_out_of_the_calibration_at_the_drafters_learnt_rate():
+def test_a_catch_up_is_left_out_of_the_calibration_as_measured():
     """A request the drafter must catch up with (a prompt) has its catch-up priced at a share
-    a step in the choice, and in full at the learnt rate in the prediction it leaves; the
-    step that verifies its drafts takes that out of the drafting's time, so the calibration
-    compares only what the drafts cost beyond it (in full against the share, clipped at 4x,
-    it made drafts look dearer after every prompt)."""
+    a step in the choice, and left out of the prediction it leaves; the step that verifies its
+    drafts takes the catch-up's measured time (the drafter's catch_up_seconds) out of the
+    drafting's, so the calibration compares only what the drafts cost beyond it. (In full
+    against the share, clipped at 4x, it made drafts look dearer after every prompt; at the
+    drafter's learnt rate, a catch-up slower than that rate still did.)"""
     cost = StepCost([1, 1024], [0.010, 0.0101])
     draft = StepCost([1, 1024], [0.0005, 0.010])
     draft.catch_up = 20e-6
@@ -102,19 +110,21 @@ def test_a_catch_up_is_left_out_of_the_calibration_at_the_drafters_learnt_rate()
     ks = choose_num_drafts([0.9, 0.9], [1, 1], 2, cost, draft, behind=[400, 0], remaining=[100, 100],
                            calibration=cal)
     assert ks == [1, 1]
-    assert cal.chosen[2] == pytest.approx(400 * 20e-6)  # the whole catch-up, not its share
+    caught_up = cal.chosen
     shares = choose_num_drafts([0.9, 0.9], [1, 1], 2, cost, draft, behind=[0, 0], calibration=cal)
-    assert shares == [1, 1] and cal.chosen[2] == 0.0
+    assert shares == [1, 1] and cal.chosen == pytest.approx(caught_up)  # the catch-up is not in the prediction
     proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048, cost)
     proposer.observe_step(step([[], []]), 0.010, accepted=0)
-    proposer.calibration.chosen = (1.8, 0.002, 0.008)  # its drafting: 1.5 ms, and 8 ms catching up
-    proposer.seconds = 0.0095
-    proposer.observe_step(step([[], []]), 0.0095 + 0.010, accepted=0)
-    proposer.seconds = 0.0
+    proposer.calibration.chosen = (1.8, 0.002, 0.0)
+    # its drafting: 1.5 ms, and 13 ms catching up (the learnt rate would say 8)
+    proposer.seconds, proposer.catch_up_seconds = 0.0145, 0.013
+    proposer.observe_step(step([[], []]), 0.0145 + 0.010, accepted=0)
+    proposer.seconds = proposer.catch_up_seconds = 0.0
     proposer.observe_step(step([[5], [6]]), 0.011, accepted=2)
     added = 0.0015 + 0.011 - cost(2)  # what the drafts added, the catch-up aside
-    w = 2 * 0.95
-    assert proposer.calibration.seconds == pytest.approx((w * 0.002 + added) / (w * 0.002 + 0.002))
+    cal = proposer.calibration
+    d, w = cal.decay ** 1.8, cal.prior_tokens / 1.8
+    assert cal.seconds == pytest.approx((d * w * 0.002 + added) / (d * w * 0.002 + 0.002))
     assert proposer.calibration.seconds < 1.5
 
 
@@ -297,3 +307,27 @@ def test_one_requests_choice_in_plain_python_is_the_batch_forms():
             assert cal.chosen == pytest.approx(other.chosen, rel=1e-9, abs=1e-15)
             kept += 1
     assert 50 < kept < 350  # both answers were tried
+
+
+def test_verifying_drafts_teaches_what_it_adds_to_the_target_step_beyond_its_forward():
+    """The target's step cost is timed at start-up as forwards; a step that verifies drafts also
+    does the host work of the verification and the accepted tokens' updates, once a step. Each
+    step that verifies chosen drafts teaches it (StepCost.verify: the step's time over its cost
+    without drafts and the forward's price for them), and the choice adds it to any step with
+    drafts: drafts worth less than that are no longer kept."""
+    cost = StepCost([1, 1024], [0.010, 0.0101])
+    assert choose_num_drafts([0.1, 0.1], [1, 1], 2, cost) == [1, 1]  # priced at the forward alone
+    proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048, cost)
+    proposer.observe_step(step([[], []]), 0.010, accepted=0)
+    priced = float(cost.forward(4) - cost.forward(2))
+    for _ in range(60):
+        proposer.calibration.chosen = (0.2, priced, priced)
+        proposer.observe_step(step([[5], [6]]), cost(2) + priced + 0.002, accepted=0)
+    assert cost.verify == pytest.approx(0.002, rel=0.01)
+    assert choose_num_drafts([0.1, 0.1], [1, 1], 2, cost) == [0, 0]
+    assert choose_num_drafts([0.9], [1], 1, cost) == [1]  # (one request's choice prices it too)
+    assert choose_num_drafts([0.1], [1], 1, cost) == [0]
+    for _ in range(60):  # steps faster than their price lower it, not below none
+        proposer.calibration.chosen = (0.2, priced, priced)
+        proposer.observe_step(step([[5], [6]]), cost(2) + priced - 0.001, accepted=0)
+    assert cost.verify == 0.0

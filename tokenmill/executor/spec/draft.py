@@ -204,7 +204,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         candidates = len(drafting)
         # a forward computes at most max_rows tokens: the requests that fit draft; then the
         # catch-ups that did not fit get what room is left (a chunk each, no drafts this step)
-        chosen, late_ones, rows = [], [], 0
+        chosen, late_ones, rows, caught_up = [], [], 0, 0
         for (i, request, start, new, _), k, late in zip(drafting, ks, behind):
             if k == 0 or len(chosen) == self.scratch_rows:
                 continue
@@ -212,6 +212,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
             if rows + len(tokens) <= self.max_rows:
                 chosen.append(((i, request, start, tokens), k))
                 rows += len(tokens)
+                caught_up += max(0, late)
             elif late > 0:
                 late_ones.append((i, request, start, tokens[:late]))
         chunks = []  # (row, request, first position, tokens)
@@ -220,6 +221,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
                 break
             chunks.append((i, request, start, tokens[:self.max_rows - rows]))
             rows += len(chunks[-1][3])
+            caught_up += len(chunks[-1][3])
         drafting = chosen
         self.drafting()
         if candidates and not drafting and self.draft_cost is not None:
@@ -242,14 +244,12 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         starts = np.array([s for _, s, _ in rows], dtype=np.int64)
         ids = [t for _, _, tokens in rows for t in tokens]
         last = np.cumsum(query_lens)[len(chunks):] - 1
-        # decode-shaped (what the learnt cost times): no catch-up, each request's last known
-        # token, its accepted drafts and the next token at most
-        decode = not chunks and bool(query_lens.max() <= 2 + self.config.num_speculative_tokens)
+        # the rows past each drafting request's last known token and the step's are a catch-up
         if self.fused is not None and len(ids) <= self.fused_rows:  # each token a row of its own
             at, _ = token_slots(query_lens, starts, table, self.block_size)
-            tokens = self._decode_rows(at, table[np.repeat(np.arange(len(rows)), query_lens)], ids, last, decode)
+            tokens = self._decode_rows(at, table[np.repeat(np.arange(len(rows)), query_lens)], ids, last, caught_up)
         else:
-            tokens, _ = self._forward(query_lens, starts, table, ids, last, decode)
+            tokens, _ = self._forward(query_lens, starts, table, ids, last, caught_up)
         for _, request, start, chunk in chunks:
             self.computed[request.request_id] = start + len(chunk)
         if not drafting:
@@ -274,15 +274,13 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
             self.drafts[request.request_id] = d
 
     def _forward(self, query_lens: np.ndarray, starts: np.ndarray, table: np.ndarray, ids: list[int],
-                 logits_rows: np.ndarray, decode: bool = True,
+                 logits_rows: np.ndarray, caught_up: int = 0,
                  features: tuple[torch.Tensor, np.ndarray | None] | None = None) -> tuple[list[int], torch.Tensor]:
         """One draft forward; the argmax and the output hidden states at `logits_rows` (may be
-        none). `decode`: each request's rows are its last few tokens, no catch-up (the forwards
-        the adaptive cost models). `features` (an EAGLE head's input): the rows `features[1]`
-        of `features[0]`, or all of them for None."""
+        none). `caught_up`: its rows that catch up (0: each request's rows are its last few
+        tokens, the forwards the adaptive cost models). `features` (an EAGLE head's input): the
+        rows `features[1]` of `features[0]`, or all of them for None."""
         start = time.perf_counter()
-        if decode:
-            self.forwards.append(len(ids))
         positions, slots = token_slots(query_lens, starts, table, self.block_size)
         put = self.staging.to_device
         self.staging.begin()
@@ -301,22 +299,32 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         self.staging.end()
         if len(logits_rows):
             tokens = self.sampler.to_host(self._argmax(hidden))[0].tolist()
-        took = time.perf_counter() - start
-        if decode:
-            self.forward_seconds += took
-        else:
-            self._caught_up(took, len(ids))
+        self._timed(time.perf_counter() - start, len(ids), caught_up)
         return tokens, hidden
 
-    def _caught_up(self, seconds: float, rows: int) -> None:
-        """A forward with catch-up rows took `seconds`: the step's catch-up time, and what a
-        catch-up token costs (learnt from forwards of CATCH_UP_ROWS rows or more)."""
+    def _timed(self, seconds: float, rows: int, caught_up: int) -> None:
+        """A forward of `rows` rows, `caught_up` of them catching up, took `seconds`. Its other
+        rows (the drafting requests' own) count as a decode-shaped forward at their learnt cost
+        (at most `seconds`); the rest is the step's catch-up time (which adaptive speculation's
+        calibration leaves out as measured: the built-in draft's catch-ups of 300-440 rows took
+        4-21 ms on a 2-core CPU where the learnt rate said 4-7), and teaches what a catch-up
+        token costs (from CATCH_UP_ROWS of them or more)."""
+        own = rows - caught_up
+        if caught_up == 0:
+            self.forwards.append(rows)
+            self.forward_seconds += seconds
+            return
+        if own > 0:
+            priced = float(self.draft_cost.forward(own)) + self.draft_cost.overhead if self.draft_cost else 0.0
+            self.forwards.append(own)
+            self.forward_seconds += min(seconds, priced)
+            seconds -= min(seconds, priced)
         self.catch_up_seconds += seconds
-        if self.draft_cost is not None and rows >= CATCH_UP_ROWS:
-            self.draft_cost.observe_catch_up(seconds / rows)
+        if self.draft_cost is not None and caught_up >= CATCH_UP_ROWS:
+            self.draft_cost.observe_catch_up(seconds / caught_up)
 
     def _decode_rows(self, positions: np.ndarray, table: np.ndarray, ids: list[int],
-                     logits_rows: np.ndarray | None = None, decode: bool = True) -> list[int]:
+                     logits_rows: np.ndarray | None = None, caught_up: int = 0) -> list[int]:
         """A draft forward through the one-call forward, each token a row of its own (`ids` at
         `positions`, each with its request's row of `table`; a request's tokens in order, each
         attending to the context up to itself, as the decode rows of a short query do in
@@ -327,12 +335,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         modules (2-core Xeon)."""
         start = time.perf_counter()
         tokens = self.decode_rows(positions, table, ids, logits_rows)
-        took = time.perf_counter() - start
-        if decode:
-            self.forwards.append(len(ids))
-            self.forward_seconds += took
-        else:
-            self._caught_up(took, len(ids))
+        self._timed(time.perf_counter() - start, len(ids), caught_up)
         return tokens
 
     def decode_rows(self, positions: np.ndarray, table: np.ndarray, ids: list[int],

@@ -189,8 +189,10 @@ class EagleProposer(DraftModel):
             starts[r], query_lens[r] = start, len(waited) + len(tokens)
             ids += waited + tokens
             parts += feats + [hidden[row:row + len(tokens)]]
-        decode = bool(query_lens.max() <= 1 + self.config.num_speculative_tokens)
-        tokens, feats = self._forward(query_lens, starts, table, ids, np.cumsum(query_lens) - 1, decode,
+        # a request's own rows: this step's pairs, or its last one after more than 1 + k (see `inputs`)
+        most = 1 + self.config.num_speculative_tokens
+        caught_up = len(ids) - sum(n if n <= most else 1 for n in (len(d[4]) for d in drafting))
+        tokens, feats = self._forward(query_lens, starts, table, ids, np.cumsum(query_lens) - 1, caught_up,
                                       (torch.cat(parts), None))
         drafts = [[t] for t in tokens]
         last = starts + query_lens - 1  # each drafting request's last pair's position
@@ -199,7 +201,7 @@ class EagleProposer(DraftModel):
             keep = np.flatnonzero(ks[active] > step)
             active = active[keep]
             nxt, feats = self._forward(np.ones(len(active), dtype=np.int32), last[active] + step, table[active],
-                                       [drafts[a][-1] for a in active], np.arange(len(active)), True, (feats, keep))
+                                       [drafts[a][-1] for a in active], np.arange(len(active)), 0, (feats, keep))
             for a, t in zip(active, nxt):
                 drafts[a].append(t)
         for piece, d in zip(drafting, drafts):

@@ -43,6 +43,7 @@ class Proposer:
         self.num_steps_by_k = [0] * (config.num_speculative_tokens + 1)  # request-steps by drafts verified
         self.calibration = Calibration()  # what chosen drafts really added (adaptive speculation)
         self.seconds = 0.0  # the last step's drafting for the next, outside the target's step (a drafter's)
+        self.catch_up_seconds = 0.0  # of it, the drafter's catching up with requests (its forwards' rows beyond drafts)
         self._accepted = 0  # drafts accepted over all steps, when the last step ended
         self.dry_steps = 0  # decode steps in a row that verified no drafts
         self.plain_steps_ago = 0  # decode steps since the last one that verified no drafts
@@ -107,13 +108,18 @@ class Proposer:
         step cost (its overhead); one that verified chosen drafts, the calibration: their
         accepted tokens, and the drafting before the step plus the step's time over its
         cost without them, against what the choice predicted. Catch-ups are left out on
-        both sides, at the rate the drafter learns for them (StepCost.observe_catch_up): a
-        prompt's catch-up, priced a share a step, counted in full against that share's
-        prediction, clipped at 4x, made drafts look 4x dearer after every prompt."""
+        both sides: the prediction leaves out their price, the step their measured time (the
+        drafter's `catch_up_seconds`). A prompt's catch-up, priced a share a step, counted in
+        full against that share's prediction, clipped at 4x, made drafts look 4x dearer after
+        every prompt; left out at the drafter's learnt rate, a catch-up slower than that rate
+        (4-21 ms against 4-7 for the built-in draft's prompts on a 2-core CPU) still made the
+        drafts' seconds 1.3-1.6x the prediction at one request, and a request's first drafts
+        then looked too dear ever to pay for its catch-up."""
         cal = self.calibration
         tokens, self._accepted = accepted - self._accepted, accepted
         seconds -= self.seconds
-        predicted, cal.pending = cal.pending, (*cal.chosen, self.seconds) if cal.chosen else None
+        predicted, cal.pending = cal.pending, (*cal.chosen, self.seconds, self.catch_up_seconds) \
+            if cal.chosen else None
         cal.chosen = None
         total = out.total_num_scheduled_tokens
         drafts = total - len(out.spec_token_ids)  # in a decode-only step, each request's 1 + its drafts
@@ -127,9 +133,10 @@ class Proposer:
         self.plain_steps_ago += 1
         self.dry_steps = 0
         if predicted is not None:  # (drafts verified while exploring were not chosen)
-            extra_tokens, extra_seconds, catch_up, drafting = predicted
-            added = drafting - catch_up + seconds - self.cost(total - drafts)
-            cal.observe(extra_tokens, extra_seconds, tokens, added)
+            extra_tokens, extra_seconds, verifying, drafting, catch_up = predicted
+            in_step = seconds - self.cost(total - drafts)
+            self.cost.observe_verify(in_step - verifying)
+            cal.observe(extra_tokens, extra_seconds, tokens, drafting - catch_up + in_step)
 
     def _observe_plain(self, num_tokens: int, seconds: float) -> None:
         """A decode step without drafts took `seconds`: the target's step cost learns its
