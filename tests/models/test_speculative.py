@@ -139,7 +139,8 @@ def test_stop_strings_eos_and_max_tokens_count_tokens_one_by_one(engines):
 @pytest.fixture(scope="module")
 def adaptive_draft():
     """The built-in model with its built-in draft, adaptive (the default)."""
-    return LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={"method": "draft_model", "num_speculative_tokens": 4})
+    return LLM(dtype="float32", kv_cache_memory="16MiB",
+               speculative_config={"method": "draft_model", "num_speculative_tokens": 4})
 
 
 @pytest.fixture(scope="module")
