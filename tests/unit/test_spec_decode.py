@@ -398,6 +398,7 @@ def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
                               draft_cost=None, measuring=False, calibration=None, exploring=False,
                               explore=lambda rates, limits, choose=None, catch_up=None, step=0.0: None, chose=lambda ks: ks)
     drafter._rests = lambda candidates: DraftModel._rests(drafter, candidates)
+    drafter._rest_after = lambda ks, candidates, most: DraftModel._rest_after(drafter, ks, candidates, most)
     requests = [make_request(f"r{i}", [1, 2, 3], max_tokens=64) for i in range(8)]
     asked = []
 
@@ -455,3 +456,31 @@ def test_eagle_waiting_pairs_keep_their_order_drop_whole_old_pieces_and_hold_no_
     assert w.ids.tolist() == list(range((MAX_WAITING // piece + 1) * piece - (w.end - w.start),
                                         (MAX_WAITING // piece + 1) * piece))
     assert len(w.lengths) == len(w.sources) == len(w.firsts) == (w.end - w.start) // piece
+
+
+def test_ngram_rests_while_its_drafts_do_not_pay_and_not_while_it_finds_none(monkeypatch):
+    """Adaptive n-gram: where the lookups find drafts and none pays, the next steps neither
+    look up nor choose, 1, 2, 4, ... steps while the answer stays no (their lookups cost
+    1-1.5 ms a step at 64 requests); where the lookups find nothing, that is no verdict on
+    drafts, and every step looks again."""
+    from tokenmill.config import SpeculativeConfig
+    from tokenmill.executor.spec import ngram as ngram_module
+    from tokenmill.executor.spec.adaptive import StepCost
+
+    looked = []
+    batch = ngram_module.propose_batch
+    monkeypatch.setattr(ngram_module, "propose_batch", lambda *a: looked.append(step) or batch(*a))
+    steep = StepCost([1, 1024], [0.001, 1.024])  # a draft costs a token's time
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    proposer = ngram_module.NgramProposer(config, 2048, steep)
+    repeating = [make_request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=64) for i in range(4)]
+    for step in range(40):  # every request's rate about 0.02: no draft pays
+        proposer.propose(repeating, 4, accepted=0, rejected=40)
+        assert all(r.spec_token_ids == [] for r in repeating)
+    assert np.diff(looked).tolist()[:4] == [2, 3, 5, 9] and proposer.num_steps_by_k[0] == 160
+    looked.clear()
+    fresh = ngram_module.NgramProposer(config, 2048, steep)
+    novel = [make_request(f"n{i}", list(range(10 * i, 10 * i + 8)), max_tokens=64) for i in range(4)]
+    for step in range(10):
+        fresh.propose(novel, 4, accepted=0, rejected=40)
+    assert looked == list(range(10))

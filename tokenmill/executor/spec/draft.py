@@ -40,7 +40,7 @@ from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.spec.adaptive import StepCost, acceptance, continuation
 from tokenmill.executor.spec.fused_draft import fused_decoder
-from tokenmill.executor.spec.proposer import FADE, Proposer, can_speculate
+from tokenmill.executor.spec.proposer import Proposer, can_speculate
 from tokenmill.executor.spec.rests import DraftChoice
 from tokenmill.executor.spec.timing import measure_step_cost
 from tokenmill.executor.spec.vocab import DraftVocab, load_token_map
@@ -97,9 +97,6 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         self.prior = 0.5  # acceptance over all requests so far: the start of each request's own
         self.later = 0.5  # a later draft's acceptance after an accepted one, over all requests (`continuation`)
         self.evidence = 0  # accepted drafts and rejecting verifications so far, over all requests
-        self.resting = 0  # steps left that get no drafts without asking
-        self.rest_length = 0  # the last rest's steps (doubled each time drafts still do not pay)
-        self.rest_batch = 0  # the candidates when the rest began
         # the last step's drafting: from the choice on, its forwards and their bookkeeping (the
         # target's step cost leaves it out); of it, the decode-shaped forwards and the others
         self.seconds = 0.0
@@ -378,20 +375,3 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
             request.spec_token_ids = drafts
             self.num_steps_by_k[len(drafts)] += 1
             self.fade(request, len(drafts))
-
-    def _propose_none(self, requests: list[Request]) -> None:
-        """`propose` after a step that made no drafts (most steps of a batch whose drafts do not
-        pay): each request keeps the empty drafts the scheduler's update left it, and its evidence
-        fades. (The loop of `propose`, per request, took 1.7 us on this 2-core CPU: 0.5% of a
-        step at 16 requests of the built-in model, resting.)"""
-        keep, resting = FADE, 0
-        for request in requests:
-            if request.status.finished:
-                self.release(request.request_id)
-            elif can_speculate(request) is not None:
-                self.num_unspeculated_steps += 1
-            else:
-                request.spec_accepted *= keep
-                request.spec_rejected *= keep
-                resting += 1
-        self.num_steps_by_k[0] += resting

@@ -50,6 +50,9 @@ class Proposer:
         self.explore_after = EXPLORE_AFTER  # dry steps before one request drafts all it can
         # the last plain step's cost and tokens, and the start-up forward's seconds at them
         self._plain: tuple[StepCost | None, int, float] = (None, 0, 0.0)
+        self.resting = 0  # steps left that get no drafts without asking (see `_rests`)
+        self.rest_length = 0  # the last rest's steps (doubled each time drafts still do not pay)
+        self.rest_batch = 0  # the candidates when the rest began
 
     @property
     def exploring(self) -> bool:
@@ -88,6 +91,44 @@ class Proposer:
         if choose is not None and not any(choose([max(OPTIMISTIC_RATE, r) for r in rates])):
             return None
         return [limits[i] if i == best else 0 for i in range(len(rates))]
+
+    def _rests(self, candidates: int) -> bool:
+        """Whether this step rests: no drafts and no asking, while drafts do not pay (see
+        `_rest_after`), counted as one of the rest's steps; a batch of `candidates` half the
+        size of the one the rest began with asks again (a smaller batch makes drafts cheaper)."""
+        if self.resting > 0 and 2 * candidates > self.rest_batch and not self.exploring:
+            self.resting -= 1
+            return True
+        return False
+
+    def _rest_after(self, ks: list[int], candidates: int, most: int) -> None:
+        """After a choice of `ks` for `candidates` requests: drafts end the rests; none start
+        the next, twice as long as the last (1 step, then 2, 4, ... up to `most`). While
+        drafts do not pay, the rates and costs change slowly, and asking costs the choice
+        (0.1-0.5 ms of numpy and Python a step on a 2-core CPU, 1.5-4% of a step at 16-64
+        requests) and the proposal before it."""
+        if any(ks):
+            self.rest_length = self.resting = 0
+        else:
+            self.rest_length = min(most, 2 * self.rest_length or 1)
+            self.resting, self.rest_batch = self.rest_length, candidates
+
+    def _propose_none(self, requests: list[Request]) -> None:
+        """`propose` after a step that made no drafts (most steps of a batch whose drafts do not
+        pay): each request keeps the empty drafts the scheduler's update left it, and its evidence
+        fades. (The loop of `propose`, per request, took 1.7 us on this 2-core CPU: 0.5% of a
+        step at 16 requests of the built-in model, resting.)"""
+        keep, resting = FADE, 0
+        for request in requests:
+            if request.status.finished:
+                self.release(request.request_id)
+            elif can_speculate(request) is not None:
+                self.num_unspeculated_steps += 1
+            else:
+                request.spec_accepted *= keep
+                request.spec_rejected *= keep
+                resting += 1
+        self.num_steps_by_k[0] += resting
 
     def chose(self, ks: list[int]) -> list[int]:
         """A choice with drafts resets the interval before the next exploration."""

@@ -4,8 +4,7 @@ drafts each request makes, and when it rests: adaptive speculation's choice
 asking while drafts do not pay.
 
 DraftChoice is a mixin of DraftModel: it reads the drafter's costs (`cost`, `draft_cost`),
-the proposer's rates (`prior`, `later`, `evidence`) and exploration (Proposer), and keeps the
-rest in `resting`, `rest_length` and `rest_batch`, which DraftModel sets up.
+the proposer's rates (`prior`, `later`, `evidence`), exploration and rests (Proposer).
 """
 
 from __future__ import annotations
@@ -65,20 +64,8 @@ class DraftChoice:
             self.rest_length = self.resting = 0
             return ks
         ks = self.chose(choose(rates, self.calibration))
-        if any(ks):
-            self.rest_length = self.resting = 0
-        else:
-            self.rest_length = min(MAX_REST, 2 * self.rest_length or 1)
-            self.resting, self.rest_batch = self.rest_length, len(requests)
+        self._rest_after(ks, len(requests), MAX_REST)
         return ks
-
-    def _rests(self, candidates: int) -> bool:
-        """Whether this step rests (see `_choose`), counted as one of the rest's steps; a
-        batch of `candidates` half the size of the one the rest began with asks again."""
-        if self.resting > 0 and 2 * candidates > self.rest_batch and not self.exploring:
-            self.resting -= 1
-            return True
-        return False
 
     def idle(self, out: SchedulerOutput, num_sampling: int) -> bool:
         """Whether the step's drafting does nothing at all, so that the runner need not call
