@@ -15,7 +15,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import SpeculativeConfig
 from tokenmill.executor.spec import ngram as ngram_module
 from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, EXPLORE_SHARE, MAX_EXPLORE_AFTER, MEASURE_EVERY,
-                                              OPTIMISTIC_RATE, Calibration, StepCost, choose_num_drafts)
+                                              OPTIMISTIC_RATE, StepCost, choose_num_drafts)
+from tokenmill.executor.spec.calibration import Calibration
 from tokenmill.executor.spec.proposer import Proposer
 
 

@@ -16,8 +16,9 @@ from tests.unit.test_sampler import batch as sampler_batch
 from tests.unit.test_scheduler import FakeRunner, make_request, make_scheduler, next_token, step
 from tokenmill.config import EngineConfig
 from tokenmill.executor.sampler import Sampler
-from tokenmill.executor.spec.adaptive import (CATCH_UP_STEPS, DOUBTFUL_CATCH_UP_STEPS, Calibration, StepCost,
-                                              acceptance, choose_num_drafts)
+from tokenmill.executor.spec.adaptive import (CATCH_UP_STEPS, DOUBTFUL_CATCH_UP_STEPS, StepCost, acceptance,
+                                              choose_num_drafts)
+from tokenmill.executor.spec.calibration import Calibration
 from tokenmill.executor.spec.ngram import TokenArrays, propose, propose_batch
 from tokenmill.executor.spec.proposer import can_speculate
 from tokenmill.executor.spec.rejection import accepted_prefix

@@ -12,7 +12,8 @@ import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
-from tokenmill.executor.spec.adaptive import Calibration, StepCost, acceptance, choose_num_drafts, continuation
+from tokenmill.executor.spec.adaptive import StepCost, acceptance, choose_num_drafts, continuation
+from tokenmill.executor.spec.calibration import Calibration
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 from tokenmill.executor.spec.rests import MAX_REST
 

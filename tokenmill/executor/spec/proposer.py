@@ -9,7 +9,8 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, EXPLORE_SHARE, MAX_EXPLORE_AFTER, MEASURE_EVERY,
-                                              OPTIMISTIC_RATE, Calibration, StepCost)
+                                              OPTIMISTIC_RATE, StepCost)
+from tokenmill.executor.spec.calibration import Calibration
 
 RECHECK = 0.8  # a plain step this much under the cost: the next step is measured without drafts too
 STALL = 2.0  # the most a plain step slower than the target's cost counts for, in times the cost

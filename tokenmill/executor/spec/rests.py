@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.spec.adaptive import Calibration, acceptance, choose_num_drafts
+from tokenmill.executor.spec.adaptive import acceptance, choose_num_drafts
+from tokenmill.executor.spec.calibration import Calibration
 
 EXPLORE_EVIDENCE = 32  # verified drafts (accepted ones and rejecting steps) before drafts are chosen
 # steps without drafts, without asking (see DraftChoice._choose): an ask costs 0.3-0.5 ms on a
