@@ -27,8 +27,9 @@ def test_known_timing(known_server, tmp_path, concurrency, endpoint):
     # at 64 the known server itself (one Python process) takes its time to accept the burst of
     # 64 requests: on 2 cores the mean TTFT comes out 56-66 ms (measured 2026-11-23; 66 with other
     # work on the machine). So the client may measure more than the server's delays there, never
-    # less. One stream measured up to 53.5 ms (chat, in CI).
-    late = 6 if concurrency == 1 else 30
+    # less. One stream measured up to 53.5 ms (chat, in CI); on a slow day (2026-11-29, the same
+    # code passing an hour before) the median at one stream came out 56-61 ms in every run.
+    late = 12 if concurrency == 1 else 30
     # every request but the slowest within the bounds: one stall of the busy machine may fall on
     # any one (the suite's first request in a fresh-clone CI run took 80 ms at concurrency 1)
     ttfts = sorted(1e3 * (x["chunk_times"][0] - x["start"]) for x in r["requests"])
