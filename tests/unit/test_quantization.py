@@ -39,7 +39,8 @@ def int8_method(path: str) -> Int8LinearMethod:
     if path != "torch" and not method.native:
         pytest.skip("no native int8 kernels")
     if path == "onednn" and not method.onednn:
-        pytest.skip("no oneDNN int8 ops in this torch")
+        pytest.skip("oneDNN's int8 GEMM is exact only with VNNI (else its int16 pair sums saturate), "
+                    "or this torch has no oneDNN int8 ops")
     if path == "amx" and not method.amx:
         pytest.skip("amx_int8_linear needs AMX-INT8 (and the tiles granted by the operating system)")
     return method

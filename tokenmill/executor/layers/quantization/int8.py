@@ -80,6 +80,14 @@ def activation_qmax() -> int:
     return 127 if "avx512_vnni" in cpu_flags() else 63
 
 
+def has_vnni() -> bool:
+    """Whether the CPU multiplies int8 into int32 sums (VNNI or AMX-INT8). Without it, oneDNN's
+    int8 GEMM sums pairs of u8 x s8 products in saturating int16 (its s8 activations shifted to
+    u8), whatever the activations' range: on an AVX2-only AMD EPYC its outputs were 1-2% off
+    exact int8 arithmetic, where fbgemm's with 7-bit activations were exact."""
+    return not {"avx512_vnni", "avx_vnni", "amx_int8"}.isdisjoint(cpu_flags())
+
+
 def onednn_rows(in_features: int, out_features: int) -> int:
     """The rows from which a layer of this shape takes oneDNN's int8 GEMM (see ONEDNN_WORK)."""
     low, high = ONEDNN_ROWS
@@ -102,13 +110,14 @@ class Int8LinearMethod:
                  amx: bool | None = None) -> None:
         """`onednn`: whether layers also take oneDNN's GEMM for larger steps; `amx`: whether they
         take amx_int8_linear for steps of up to AMX_ROWS rows; both by default where the CPU has
-        AMX-INT8 (with the native kernels, which quantize the rows for them)."""
+        AMX-INT8 (with the native kernels, which quantize the rows for them). oneDNN's only
+        where the CPU has VNNI (`has_vnni`: without it, its sums saturate)."""
         self.kernels = kernels
         self.native = kernels is not None and hasattr(kernels, "int8_linear")  # else torch's quantized op
         self.qmax = qmax or activation_qmax()
         if onednn is None:
             onednn = self.native and "amx_int8" in cpu_flags()
-        self.onednn = onednn and self.native and hasattr(torch.ops.onednn, "qlinear_prepack")
+        self.onednn = onednn and self.native and has_vnni() and hasattr(torch.ops.onednn, "qlinear_prepack")
         if amx is None:
             amx = "amx_int8" in cpu_flags()
         self.amx = amx and self.native and self.qmax == 127 and kernels.has_amx_linear
