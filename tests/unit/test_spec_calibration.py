@@ -6,13 +6,12 @@ not stop drafting for good (where drafts accepted at a high rate would pay)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SpeculativeConfig
+from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.spec import ngram as ngram_module
 from tokenmill.executor.spec.adaptive import (EXPLORE_AFTER, EXPLORE_SHARE, MAX_EXPLORE_AFTER, MEASURE_EVERY,
                                               OPTIMISTIC_RATE, StepCost, choose_num_drafts)
@@ -61,10 +60,11 @@ def test_choosing_scales_by_the_calibration_and_leaves_its_prediction():
     assert cal.chosen is None
 
 
-def step(drafts: list[list[int]]) -> SimpleNamespace:
-    """A decode step's scheduler output: each request's known token and its drafts."""
-    return SimpleNamespace(is_decode_only=True, spec_token_ids=drafts,
-                           total_num_scheduled_tokens=sum(1 + len(d) for d in drafts))
+def step(drafts: list[list[int]], context: int = 0) -> SchedulerOutput:
+    """A decode step's scheduler output: each request's known token and its drafts, after
+    `context` tokens each."""
+    return SchedulerOutput(num_computed_tokens=[context] * len(drafts),
+                           num_scheduled_tokens=[1 + len(d) for d in drafts], spec_token_ids=drafts)
 
 
 def test_a_step_is_compared_with_the_choice_made_before_it():
@@ -95,6 +95,33 @@ def test_a_step_is_compared_with_the_choice_made_before_it():
         assert not proposer.measuring
         proposer.observe_step(step([[5], [6]]), 0.015, accepted=3)
     assert proposer.measuring  # a step in MEASURE_EVERY verifies none
+
+
+def test_the_step_cost_prices_the_batchs_attention_so_its_overhead_does_not_follow_the_contexts():
+    """A plain step's attention over the batch's contexts is priced at the start-up's
+    cost.attention a context token, not learnt as overhead: the overhead of steps whose
+    contexts grow from 1,000 to 16,000 tokens stays what they spend besides (1 ms), and a
+    step that verifies drafts is compared with its own contexts' cost without them. (Learnt
+    as overhead, the attention of 64 requests of the rewrite set, 6-9 ms of a 15 ms step on a
+    2-core CPU, was still the last batch's when 28 or 1 requests were left.) The choice's
+    step without drafts counts the batch's attention too: the larger it is, the less a
+    draft's fixed cost weighs."""
+    cost = StepCost([1, 64, 128], [0.002, 0.004, 0.006])
+    cost.attention = 400e-9
+    proposer = Proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 2048, cost)
+    for context in range(16, 256, 4):  # 64 requests of 16..252 tokens of context
+        proposer.observe_step(step([[]] * 64, context), 0.004 + 400e-9 * 64 * context + 0.001, accepted=0)
+    assert cost.overhead == pytest.approx(0.001, rel=0.01)
+    assert cost(64, 64 * 250) == pytest.approx(0.004 + 400e-9 * 64 * 250 + 0.001, rel=1e-3)
+    cal = proposer.calibration
+    cal.chosen = (32.0, 0.002, 0.002)  # 64 drafts predicted to add 32 tokens in 2 ms
+    proposer.observe_step(step([[]] * 64, 250), cost(64, 64 * 250), accepted=0)  # (the choosing step)
+    proposer.observe_step(step([[5]] * 64, 250), cost(64, 64 * 250) + 0.002, accepted=32)
+    assert cal.tokens == pytest.approx(1.0) and cal.seconds == pytest.approx(1.0)  # as predicted
+    cheap = StepCost([1, 2, 64], [0.002, 0.0026, 0.004])  # a draft adds 0.6 ms to a request's 2 ms step
+    cheap.attention = 400e-9
+    assert choose_num_drafts([0.25], [1], 1, cheap, contexts=[100]) == [0]
+    assert choose_num_drafts([0.25], [1], 1, cheap, contexts=[100], batch_context=10000) == [1]  # base 6 ms
 
 
 def test_a_catch_up_is_left_out_of_the_calibration_as_measured():

@@ -15,6 +15,7 @@ import torch
 from tests.unit.test_sampler import batch as sampler_batch
 from tests.unit.test_scheduler import FakeRunner, make_request, make_scheduler, next_token, step
 from tokenmill.config import EngineConfig
+from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.sampler import Sampler
 from tokenmill.executor.spec.adaptive import (CATCH_UP_STEPS, DOUBTFUL_CATCH_UP_STEPS, StepCost, acceptance,
                                               choose_num_drafts)
@@ -407,7 +408,9 @@ def test_a_drafter_that_finds_no_draft_paying_rests_longer_each_time():
         def inputs():
             asked.append(step)
             return [3] * len(batch), [0] * len(batch), [1] * len(batch)
-        return DraftModel._choose(drafter, batch, [4] * len(batch), len(batch), inputs)
+        out = SchedulerOutput(requests=batch, num_computed_tokens=[3] * len(batch),
+                              num_scheduled_tokens=[1] * len(batch))
+        return DraftModel._choose(drafter, batch, [4] * len(batch), out, inputs)
 
     for step in range(60):
         assert choose(step, requests) == [0] * 8

@@ -4,8 +4,9 @@ Drafts pay when the tokens they are expected to add are worth the time they add 
 step. Both are estimated:
 - time: the step's cost as a function of the tokens it computes: the forward, measured
   once at start-up (spec/timing.py: decode-shaped forwards at 1..budget tokens, interpolated
-  between), plus the rest of the step (scheduling, sampling's host work, outputs), learnt
-  from the engine's decode steps without drafts as they run;
+  between), plus the attention over the batch's contexts (per context token, timed then
+  too), plus the rest of the step (scheduling, sampling's host work, outputs), learnt from
+  the engine's decode steps without drafts as they run;
 - tokens: a request whose first draft is accepted with probability a, and each later one
   with probability c given the one before was, gets a + ac + ... + ac^(k-1) extra tokens
   from k drafts. a is estimated per request from its own verifications, starting from the
@@ -31,8 +32,9 @@ from tokenmill.executor.spec.calibration import Calibration
 
 class StepCost:
     """Seconds of one step by its tokens: the forward (piecewise linear in the tokens,
-    timed at start-up) plus `overhead`, the rest of the step, which a draft does not add
-    to, learnt from the steps as the engine runs them. `robust` (the draft model's cost):
+    timed at start-up), plus the decode attention over the batch's contexts (`attention` a
+    context token, timed at start-up too), plus `overhead`, the rest of the step, which a
+    draft does not add to, learnt from the steps as the engine runs them. `robust` (the draft model's cost):
     stalls are clipped and the overhead fades while nothing is timed (see `observe_curve`)."""
 
     def __init__(self, tokens: list[int], seconds: list[float], robust: bool = False) -> None:
@@ -60,13 +62,16 @@ class StepCost:
         measured point, its last slope."""
         return np.interp(num_tokens, self._tokens, self._seconds)
 
-    def __call__(self, num_tokens: int) -> float:
-        return float(self.forward(num_tokens)) + self.overhead
+    def __call__(self, num_tokens: int, context: float = 0.0) -> float:
+        """A decode step's seconds: `num_tokens` one-token queries over `context` tokens of
+        context in all."""
+        return float(self.forward(num_tokens)) + self.attention * context + self.overhead
 
-    def observe(self, num_tokens: int, seconds: float, decay: float = 0.9) -> None:
-        """A step of `num_tokens` took `seconds` in the engine: what the forward does not
-        explain is overhead (a moving average over steps)."""
-        self.observe_curve(float(self.forward(num_tokens)), seconds, decay)
+    def observe(self, num_tokens: int, seconds: float, context: float = 0.0, decay: float = 0.9) -> None:
+        """A step of `num_tokens` over `context` tokens of context took `seconds` in the
+        engine: what the forward and the attention do not explain is overhead (a moving
+        average over steps)."""
+        self.observe_curve(float(self.forward(num_tokens)) + self.attention * context, seconds, decay)
 
     def observe_curve(self, x: float, seconds: float, decay: float = 0.9) -> None:
         """`observe`, given the start-up forward's seconds `x` for the step's tokens.
@@ -176,7 +181,7 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
                       draft: StepCost | None = None, contexts: list[int] | None = None,
                       behind: list[int] | None = None, remaining: list[int] | None = None,
                       first_rows: list[int] | None = None, calibration: Calibration | None = None,
-                      later: float | None = None) -> list[int]:
+                      later: float | None = None, batch_context: float | None = None) -> list[int]:
     """How many drafts each request verifies: `rates` are their acceptance probabilities,
     `limits` the drafts each has, `num_tokens` what the step computes without drafts (one
     token per request at least). The drafts, most likely first (request i's j-th is worth
@@ -199,20 +204,26 @@ def choose_num_drafts(rates: list[float], limits: list[int], num_tokens: int, co
     before the step and the tokens the step gave it: 2 + its accepted drafts.
     `calibration`: its ratios scale the drafts' tokens and added seconds (not the catch-ups',
     which the drafter learns apart), and the choice's prediction (before scaling, catch-ups
-    left out) is left in `calibration.chosen` for the step that verifies it."""
+    left out) is left in `calibration.chosen` for the step that verifies it.
+    `batch_context`: the context tokens of every request the step runs, whose attention
+    (cost.attention a token) the step without drafts costs; default: the sum of `contexts`."""
+    if batch_context is None:
+        batch_context = float(sum(contexts)) if contexts is not None else 0.0
+    attention = cost.attention * batch_context
     if len(rates) == 1 and limits[0] > 0:
         return [_choose_one(rates[0], int(limits[0]), num_tokens, cost, draft, contexts, behind, remaining,
-                            first_rows, calibration, later)]
+                            first_rows, calibration, later, attention)]
     return _choose_many(rates, limits, num_tokens, cost, draft, contexts, behind, remaining, first_rows, calibration,
-                        later)
+                        later, attention)
 
 
 def _choose_many(rates: list[float], limits: list[int], num_tokens: int, cost: StepCost,
                  draft: StepCost | None = None, contexts: list[int] | None = None,
                  behind: list[int] | None = None, remaining: list[int] | None = None,
                  first_rows: list[int] | None = None, calibration: Calibration | None = None,
-                 later: float | None = None) -> list[int]:
-    """choose_num_drafts over a batch, in array operations."""
+                 later: float | None = None, attention: float = 0.0) -> list[int]:
+    """choose_num_drafts over a batch, in array operations; `attention`: the step's over the
+    batch's contexts without drafts."""
     rates = np.asarray(rates, dtype=np.float64)
     limits = np.asarray(limits, dtype=np.int64)
     total = int(limits.sum())
@@ -226,7 +237,7 @@ def _choose_many(rates: list[float], limits: list[int], num_tokens: int, cost: S
     depth = np.arange(total) - np.repeat(first, limits) + 1  # j = 1..limit
     own = rates[owner]
     gain = own ** depth if later is None else own * np.maximum(own, later) ** (depth - 1)
-    base = float(cost.forward(num_tokens)) + cost.overhead
+    base = float(cost.forward(num_tokens)) + attention + cost.overhead
     catch = np.zeros(total)  # a first draft's share of its request's catch-up
     if behind is not None and draft is not None and draft.catch_up > 0:
         most_steps = CATCH_UP_STEPS if calibration is not None and calibration.confirmed else DOUBTFUL_CATCH_UP_STEPS
@@ -253,7 +264,7 @@ def _choose_many(rates: list[float], limits: list[int], num_tokens: int, cost: S
     orders = np.argsort(-np.where(within, rank[None, :], -np.inf), axis=1, kind="stable")  # j before j + 1
     zero = np.zeros((len(caps), 1))
     expected = len(rates) + np.concatenate((zero, np.cumsum(gain[orders], axis=1)), axis=1)
-    seconds = zero + (cost.forward(num_tokens + np.arange(total + 1)) + cost.overhead)  # [caps, kept]
+    seconds = zero + (cost.forward(num_tokens + np.arange(total + 1)) + attention + cost.overhead)  # [caps, kept]
     catching = np.concatenate((zero, np.cumsum(catch[orders], axis=1)), axis=1)  # (not scaled by the calibration)
     context = np.asarray(contexts, dtype=np.float64)[owner[orders]] if contexts is not None else None
     if context is not None:
@@ -283,7 +294,8 @@ def _choose_many(rates: list[float], limits: list[int], num_tokens: int, cost: S
 
 def _choose_one(rate: float, limit: int, num_tokens: int, cost: StepCost, draft: StepCost | None,
                 contexts: list[int] | None, behind: list[int] | None, remaining: list[int] | None,
-                first_rows: list[int] | None, calibration: Calibration | None, later: float | None) -> int:
+                first_rows: list[int] | None, calibration: Calibration | None, later: float | None,
+                attention: float = 0.0) -> int:
     """choose_num_drafts for one request, in plain Python: its drafts go in depth order, so the
     choice is the k in 0..limit with the most tokens a second, the same model term by term.
     (The general form's numpy calls took 0.125 ms a step, 4% of a drafting step of the built-in
@@ -298,6 +310,7 @@ def _choose_one(rate: float, limit: int, num_tokens: int, cost: StepCost, draft:
         if remaining is not None:
             spread = min(max(remaining[0] / (1 + sum(gains)), 1.0), most_steps)
         catch = behind[0] * draft.catch_up / spread
+    batch = attention  # the step's attention without drafts, then with each draft's in both forwards
     per_query = per_token = 0.0  # a draft's attention in the target's forward, and in both forwards
     if contexts is not None:
         per_query = cost.query_attention * contexts[0]
@@ -309,15 +322,15 @@ def _choose_one(rate: float, limit: int, num_tokens: int, cost: StepCost, draft:
         one, rows = draft.forward(np.array([first, 1.0])).tolist()
         drafting = [(one if j == 1 else rows) + draft.overhead for j in range(1, limit + 1)]
     more, dearer = (calibration.tokens, calibration.seconds) if calibration is not None else (1.0, 1.0)
-    base = forward[0] + cost.overhead
-    best, best_rate, expected, attention, forwards = 0, 1.0 / base, 1.0, 0.0, 0.0
+    base = forward[0] + attention + cost.overhead
+    best, best_rate, expected, forwards = 0, 1.0 / base, 1.0, 0.0
     chosen = None
     for k in range(1, limit + 1):
         expected += gains[k - 1]
-        attention += per_token
+        batch += per_token
         if drafting:
             forwards += drafting[k - 1]
-        seconds = forward[k] + cost.overhead + cost.verify + attention + forwards + fixed
+        seconds = forward[k] + cost.overhead + cost.verify + batch + forwards + fixed
         k_rate = (1 + more * (expected - 1)) / (base + dearer * (seconds - base) + catch)
         if k_rate > best_rate:
             best, best_rate, chosen = k, k_rate, (expected - 1, seconds - base, forward[k] - forward[0] + k * per_query)

@@ -195,7 +195,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         behind = [len(d[1].all_token_ids) - d[2] - 1 for d in drafting]
         # forward 1 computes for a request its tokens since `start`: those behind, then its last
         # token before the step and the step's (new), every step it drafts
-        ks = self._choose([d[1] for d in drafting], [d[4] for d in drafting], len(out.requests),
+        ks = self._choose([d[1] for d in drafting], [d[4] for d in drafting], out,
                           lambda: ([len(r.all_token_ids) + len(new) for _, r, _, new, _ in drafting], behind,
                                    [1 + len(new) for _, _, _, new, _ in drafting]))
         candidates = len(drafting)

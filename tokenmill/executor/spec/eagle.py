@@ -154,8 +154,7 @@ class EagleProposer(DraftModel):
                     [late + (n - 1 if n > most else 0) for late, n in zip(behind, steps)],
                     [n if n <= most else 1 for n in steps])
 
-        ks = self._choose([pairs[c][1] for c, _ in candidates], [room for _, room in candidates], len(out.requests),
-                          inputs)
+        ks = self._choose([pairs[c][1] for c, _ in candidates], [room for _, room in candidates], out, inputs)
         chosen, rows = {}, 0  # forward 1 computes at most max_rows pairs (the first request's all);
         for (c, _), k, late in zip(candidates, ks, behind):  # the others' pairs wait
             fits = not chosen or rows + late + len(pairs[c][4]) <= self.max_rows

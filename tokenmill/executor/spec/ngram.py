@@ -108,11 +108,12 @@ class NgramProposer(Proposer):
         if self.cost is not None and self._rests(len(requests)):
             self._propose_none(requests)
             return
-        drafting, ks = [], []
+        drafting, ks, context = [], [], 0  # context: the next step's, beyond each request's last token
         for request in requests:
             if request.is_finished:
                 self.tokens.release(request.request_id)
                 continue
+            context += request.num_tokens - 1
             if can_speculate(request) is not None:
                 self.num_unspeculated_steps += 1
                 continue
@@ -131,7 +132,7 @@ class NgramProposer(Proposer):
 
             def choose(rates: list[float], calibration: Calibration | None = None) -> list[int]:
                 return choose_num_drafts(rates, limits, num_running, self.cost, contexts=contexts,
-                                         calibration=calibration, later=after)
+                                         calibration=calibration, later=after, batch_context=context)
 
             if self.measuring:
                 chosen = [0] * len(drafts)

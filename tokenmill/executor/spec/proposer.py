@@ -167,22 +167,24 @@ class Proposer:
         drafts = total - len(out.spec_token_ids)  # in a decode-only step, each request's 1 + its drafts
         if drafts and not out.is_decode_only:  # (no drafts and one token each: decode-only, at C speed)
             return
+        context = sum(out.num_computed_tokens)  # what the requests' tokens attend to beyond themselves
         if drafts == 0:
             self.dry_steps += 1
-            self._observe_plain(total, seconds)
+            self._observe_plain(total, seconds, context)
             cal.fade()
             return
         self.plain_steps_ago += 1
         self.dry_steps = 0
         if predicted is not None:  # (drafts verified while exploring were not chosen)
             extra_tokens, extra_seconds, verifying, drafting, catch_up = predicted
-            in_step = seconds - self.cost(total - drafts)
+            in_step = seconds - self.cost(total - drafts, context)
             self.cost.observe_verify(in_step - verifying)
             cal.observe(extra_tokens, extra_seconds, tokens, drafting - catch_up + in_step)
 
-    def _observe_plain(self, num_tokens: int, seconds: float) -> None:
-        """A decode step without drafts took `seconds`: the target's step cost learns its
-        overhead (a moving average, 0.1 a step), a step counting for at most STALL times the
+    def _observe_plain(self, num_tokens: int, seconds: float, context: int = 0) -> None:
+        """A decode step without drafts over `context` tokens of context took `seconds`: the
+        target's step cost learns its overhead beyond the forward and the attention (a moving
+        average, 0.1 a step), a step counting for at most STALL times the
         cost (a stall slows drafts too, and passes). A plain step under RECHECK times the
         cost has the next step measured without drafts too, until they agree: an overhead
         learnt while the machine was slow (another load) makes drafts look cheap, and a batch
@@ -194,7 +196,7 @@ class Proposer:
         cost, plain = self.cost, self._plain
         if plain[0] is not cost or plain[1] != num_tokens:  # (an interpolation is 5 us; a batch keeps its size)
             plain = self._plain = (cost, num_tokens, float(cost.forward(num_tokens)))
-        x = plain[2]
+        x = plain[2] + cost.attention * context
         predicted = x + cost.overhead
         cost.observe_curve(x, min(seconds, STALL * predicted))
         self.plain_steps_ago = MEASURE_EVERY if seconds < RECHECK * predicted else 0

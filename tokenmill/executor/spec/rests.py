@@ -34,11 +34,11 @@ class DraftChoice:
         cost, and a proposer that never drafts never learns its rate)."""
         return self.cost is not None and self.evidence >= EXPLORE_EVIDENCE
 
-    def _choose(self, requests: list[Request], limits: list[int], num_tokens: int,
+    def _choose(self, requests: list[Request], limits: list[int], out: SchedulerOutput,
                 inputs: Callable[[], tuple[list[int], list[int], list[int]]]) -> list[int]:
         """The drafts each candidate request makes this step (choose_num_drafts' arguments;
-        `inputs()` gives its contexts, behind and first_rows); while exploring, all it has
-        room for.
+        `inputs()` gives its contexts, behind and first_rows), after the step `out`, whose
+        requests the next step runs; while exploring, all it has room for.
         When no draft pays, the next steps get none without asking: 1 step, then 2, 4, ... up
         to MAX_REST while the answer stays no. On this 2-core CPU the choice costs 0.1-0.5 ms
         of numpy and Python a step, 1.5-4% of a step at 16-64 requests, and while drafts do
@@ -53,13 +53,15 @@ class DraftChoice:
         rates = [acceptance(r.spec_accepted, r.spec_rejected, self.prior) for r in requests]
         contexts, behind, first_rows = inputs()
         remaining = [r.max_tokens - r.num_output_tokens for r in requests]
+        # the next step's context: each request's tokens after this step (a rejected draft's too, a few)
+        num_tokens, context = len(out.requests), sum(out.num_computed_tokens) + out.total_num_scheduled_tokens
 
         def choose(rates: list[float], calibration: Calibration | None = None) -> list[int]:
             return choose_num_drafts(rates, limits, num_tokens, self.cost, self.draft_cost, contexts, behind,
-                                     remaining, first_rows, calibration, self.later)
+                                     remaining, first_rows, calibration, self.later, context)
 
         # an exploration's catch-up prices, only where one is due (this runs every step that asks)
-        catch_up, step = ([late * self.draft_cost.catch_up for late in behind], self.cost(num_tokens)) \
+        catch_up, step = ([late * self.draft_cost.catch_up for late in behind], self.cost(num_tokens, context)) \
             if self.exploring and self.draft_cost is not None else (None, 0.0)
         if (ks := self.explore(rates, limits, choose, catch_up, step)) is not None:
             self.rest_length = self.resting = 0
