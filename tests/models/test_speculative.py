@@ -215,8 +215,9 @@ def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
     if sum(by_k()[1:]) == 0:  # whether the built-in draft pays depends on the machine and its load
         pytest.skip("adaptive speculation chose no drafts here even before the slowdown")
 
-    forward = drafter.model.forward
+    forward, rows = drafter.model.forward, drafter.decode_rows  # (the modules' forward, the one-call one)
     drafter.model.forward = lambda *a, **kw: (time.sleep(0.05), forward(*a, **kw))[1]
+    drafter.decode_rows = lambda *a, **kw: (time.sleep(0.05), rows(*a, **kw))[1]
     llm.generate([PROMPTS[2]], replace(params, max_tokens=96), use_tqdm=False)  # learns the cost
     learnt = drafter.draft_cost(1)
     assert learnt > float(drafter.draft_cost.forward(1))  # above what start-up measured
@@ -224,7 +225,7 @@ def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
     llm.generate([PROMPTS[2]], params, use_tqdm=False)
     slow = [b - a for a, b in zip(before, by_k())]
     assert slow[0] >= 0.9 * sum(slow), slow  # almost every step without drafts
-    drafter.model.forward = forward
+    drafter.model.forward, drafter.decode_rows = forward, rows
 
 
 def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, monkeypatch):
@@ -285,22 +286,24 @@ def test_a_catch_up_forward_is_split_into_its_drafting_rows_and_the_catch_up(ada
     assert drafter.catch_up_seconds == pytest.approx(0.004)
 
 
-def test_fused_draft_forward_equals_the_modules():
-    """Where the built-in draft model's layers run on amx_linear (a CPU with AMX, bfloat16), its
-    forwards run in one native call (executor/spec/fused_draft.py), each token a row of its own
-    (one a request for later drafts; a request's new tokens, or a catch-up, in a step's first
-    forward): each gives the modules' hidden states over the same rows bit for bit, and where the
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_draft_forward_equals_the_modules(dtype):
+    """Where the built-in draft model's layers run on amx_linear (a CPU with AMX, bfloat16) or on
+    small_linear (float32, a CPU with AVX2 and FMA), its forwards run in one native call
+    (executor/spec/fused_draft.py), each token a row of its own (one a request for later drafts;
+    a request's new tokens, or a catch-up, in a step's first forward): each gives the modules' hidden states over the same rows bit for bit, and where the
     drafts' head joins the call (small_llama_draft), the drafts of the modules' argmax."""
     import numpy as np
     import torch
 
     from tokenmill.executor.attention import AttentionMetadata
 
-    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="bfloat16", max_num_seqs=3,
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype=dtype, max_num_seqs=3,
               speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False})
     drafter = llm.engine.runner.drafter
     if drafter.fused is None:
-        pytest.skip("the one-call draft forward needs amx_linear (AMX-BF16) and bfloat16")
+        pytest.skip("the one-call draft forward needs amx_linear (AMX-BF16) in bfloat16, small_linear (AVX2 and "
+                    "FMA) in float32")
     kernels, rows, drafted = drafter.kernels, [], []
 
     class Both:
@@ -327,5 +330,6 @@ def test_fused_draft_forward_equals_the_modules():
     drafter.kernels = Both
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     assert rows and min(rows) == 1 and max(rows) > 3  # later drafts of 1-3 requests, first forwards of more tokens
-    # the built-in drafter's head (its token map's 2048 rows) runs on amx_linear: every forward drafts in the call
+    # the built-in drafter's head (its token map's 2048 rows) runs on the layers' kernel: every forward drafts in
+    # the call
     assert drafter.fused_drafts and len(drafted) == len(rows)

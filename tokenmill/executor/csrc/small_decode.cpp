@@ -1,10 +1,12 @@
 // One decode forward of a small Llama in one call: each token a row of its own, attending to its
-// context up to itself, every linear layer on amx_linear, a bfloat16 paged KV cache. This is the
+// context up to itself, every linear layer on amx_linear with a bfloat16 paged KV cache, or on
+// small_linear (AVX2 + FMA) with a float32 one (`plain`: CPUs without AMX). This is the
 // built-in draft model's forward in the engine's step (executor/spec/draft.py, _decode_rows) and
 // in its start-up timing (executor/spec/fused_draft.py). Through the Python modules the same
 // forward (2 layers, hidden 128) took 0.20-0.27 ms at one request on a 2-core Xeon, of which its
 // kernels are about 0.04 ms: the rest was the modules' calls; here 0.06 ms. The same kernels run
-// in the same order on the same tensors, so the result is the modules' bit for bit.
+// in the same order on the same tensors, so the result is the modules' bit for bit. In float32 on
+// an AVX2-only AMD EPYC, the modules' forward took 0.50 ms at 1-8 rows (start-up timing).
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -21,13 +23,15 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                             torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale,
                             c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out);
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor argmax_rows(torch::Tensor logits);
 
 namespace py = pybind11;
 
 namespace {
 
-// a decoder layer's weights: the norms' plain, the linears' laid out by pack_bf16_pairs; its caches
+// a decoder layer's weights: the norms' plain, the linears' laid out by pack_bf16_pairs (or plain
+// float32 [out, in] for small_linear); its caches
 struct SmallLayer {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache;
 };
@@ -41,7 +45,13 @@ struct SmallLlama {
   // logit (a token map), if any: small_llama_draft's argmax
   torch::Tensor head, head_ids;
   int64_t head_out = 0;
+  bool plain = false;  // the linears' weights are float32 [out, in] for small_linear, not amx_linear's layout
 };
+
+// y = x W^T, `out` columns, on the model's linear kernel
+torch::Tensor linear(const SmallLlama& m, const torch::Tensor& x, const torch::Tensor& w, int64_t out) {
+  return m.plain ? small_linear(x, w, c10::nullopt) : amx_linear(x, w, c10::nullopt, out);
+}
 
 // LlamaForCausalLM.forward of n rows (ids, positions [n] int64), row i attending over block_table[i]
 // [n, max_blocks] to seq_lens[i] tokens (int32, its own included: its request's row and its
@@ -63,7 +73,7 @@ torch::Tensor small_llama_decode(const SmallLlama& m, torch::Tensor ids, torch::
     } else {
       h = rms_norm(x, residual, layer.input_norm, m.eps);  // residual += x
     }
-    const torch::Tensor qkv = amx_linear(h, layer.qkv, c10::nullopt, q_size + 2 * kv_size);
+    const torch::Tensor qkv = linear(m, h, layer.qkv, q_size + 2 * kv_size);
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, m.heads, m.head_dim});
     const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, m.kv_heads, m.head_dim});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, m.kv_heads, m.head_dim});
@@ -73,10 +83,10 @@ torch::Tensor small_llama_decode(const SmallLlama& m, torch::Tensor ids, torch::
     torch::Tensor attended = torch::empty({n, m.heads, m.head_dim}, qkv.options());
     paged_decode_attention(attended, q, layer.k_cache, layer.v_cache, block_table, seq_lens, block_size, m.scale,
                            c10::nullopt, c10::nullopt);
-    const torch::Tensor o = amx_linear(attended.view({n, q_size}), layer.o, c10::nullopt, m.hidden);
+    const torch::Tensor o = linear(m, attended.view({n, q_size}), layer.o, m.hidden);
     h = rms_norm(o, residual, layer.post_norm, m.eps);  // residual += o
-    const torch::Tensor gate_up = amx_linear(h, layer.gate_up, c10::nullopt, 2 * m.intermediate);
-    x = amx_linear(silu_and_mul(gate_up), layer.down, c10::nullopt, m.hidden);
+    const torch::Tensor gate_up = linear(m, h, layer.gate_up, 2 * m.intermediate);
+    x = linear(m, silu_and_mul(gate_up), layer.down, m.hidden);
   }
   return rms_norm(x, residual, m.final_norm, m.eps);
 }
@@ -116,7 +126,7 @@ std::vector<int64_t> small_llama_draft(const SmallLlama& m, const std::vector<in
   torch::Tensor hidden = small_llama_decode(m, id_tensor, positions, slots, block_table, seq_lens, block_size);
   if (rows.has_value() && rows->size(0) != n) hidden = hidden.index_select(0, *rows);
   if (hidden.size(0) == 0) return {};
-  torch::Tensor best = argmax_rows(amx_linear(hidden, m.head, c10::nullopt, m.head_out));
+  torch::Tensor best = argmax_rows(linear(m, hidden, m.head, m.head_out));
   if (m.head_ids.defined()) best = m.head_ids.index_select(0, best);
   const int64_t* b = best.data_ptr<int64_t>();
   return std::vector<int64_t>(b, b + best.size(0));
@@ -134,10 +144,10 @@ void bind_small_decode(py::module& m) {
       .def(py::init([](torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos_sin,
                        std::vector<SmallLayer> layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        int64_t intermediate, double eps, double scale, c10::optional<torch::Tensor> head,
-                       int64_t head_out, c10::optional<torch::Tensor> head_ids) {
+                       int64_t head_out, c10::optional<torch::Tensor> head_ids, bool plain) {
              SmallLlama s{embed, final_norm, cos_sin, std::move(layers)};
              s.heads = heads, s.kv_heads = kv_heads, s.head_dim = head_dim, s.hidden = embed.size(1);
-             s.intermediate = intermediate, s.eps = eps, s.scale = scale;
+             s.intermediate = intermediate, s.eps = eps, s.scale = scale, s.plain = plain;
              if (head.has_value()) {
                TORCH_CHECK(head_out > 0, "SmallLlama: head_out must be the head's logits a row, got ", head_out);
                TORCH_CHECK(!head_ids.has_value() || (head_ids->dim() == 1 && head_ids->size(0) == head_out &&
@@ -150,9 +160,11 @@ void bind_small_decode(py::module& m) {
            }),
            py::arg("embed"), py::arg("final_norm"), py::arg("cos_sin"), py::arg("layers"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
-           py::arg("head") = py::none(), py::arg("head_out") = 0, py::arg("head_ids") = py::none());
+           py::arg("head") = py::none(), py::arg("head_out") = 0, py::arg("head_ids") = py::none(),
+           py::arg("plain") = false);
   m.def("small_llama_decode", &small_llama_decode,
-        "a small Llama's decode forward, one token a request, in one call (amx_linear layers, a bf16 cache)",
+        "a small Llama's decode forward, one token a request, in one call (amx_linear layers and a bf16 cache, or "
+        "small_linear ones and a float32 cache)",
         py::arg("model"), py::arg("ids"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("block_size"));
   m.def("small_llama_draft", &small_llama_draft,

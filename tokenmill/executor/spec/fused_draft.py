@@ -1,11 +1,12 @@
 """A small draft model's decode forward in one native call (csrc/small_decode.cpp), where the
-model is a plain Llama whose every linear layer runs on amx_linear over a bfloat16 cache: the
-built-in draft model on a CPU with AMX. Through the Python modules its forward of one token
-cost 0.27 ms at one request on a 2-core Xeon, its kernels about 0.04 ms of it; a draft model
-makes k drafts with k forwards a step, so that time decides whether drafting pays. The drafts'
-LM head and argmax join the call where their head runs on amx_linear too. The same
-kernels run in the same order, so the output equals the modules' bit for bit
-(tests/models/test_speculative.py)."""
+model is a plain Llama whose every linear layer runs on amx_linear over a bfloat16 cache (the
+built-in draft model on a CPU with AMX), or on small_linear over a float32 one (in float32 on a
+CPU with AVX2 and FMA, AMX or not). Through the Python modules its forward of one token cost
+0.27 ms at one request on a 2-core Xeon (bfloat16), its kernels about 0.04 ms of it, and 0.50 ms
+on an AVX2-only AMD EPYC (float32); a draft model makes k drafts with k forwards a step, so
+that time decides whether drafting pays. The drafts' LM head and argmax join the call where
+their head runs on the same kernel too. The same kernels run in the same order, so the output
+equals the modules' bit for bit (tests/models/test_speculative.py)."""
 
 from __future__ import annotations
 
@@ -22,22 +23,27 @@ from tokenmill.executor.models.llama import LlamaForCausalLM
 from tokenmill.executor.spec.vocab import DraftVocab
 
 
-def _amx_rows(linear: Linear, kernels: ModuleType) -> int:
-    """The most rows `linear` runs on amx_linear (0: it does not, or has a bias or a method)."""
+def _rows(linear: Linear, kernels: ModuleType) -> tuple[int, bool]:
+    """(the most rows `linear` runs on amx_linear or small_linear, whether small_linear's: a plain
+    float32 weight); 0 rows where it runs on neither, or has a bias or a method."""
     kernel = linear.small_kernel
-    if linear.quant_method is not None or linear.bias is not None or not isinstance(kernel, partial) \
-            or kernel.func is not kernels.amx_linear:
-        return 0
-    return linear.small_rows
+    if linear.quant_method is not None or linear.bias is not None or kernel is None:
+        return 0, False
+    if kernel is kernels.small_linear:
+        return linear.small_rows, True
+    if isinstance(kernel, partial) and kernel.func is kernels.amx_linear:
+        return linear.small_rows, False
+    return 0, False
 
 
 def fused_decoder(model: nn.Module, kv_cache: KVCache, attn, kernels: ModuleType | None,
                   vocab: DraftVocab | None = None):
     """(kernels.SmallLlama, the most rows a forward may have, whether it drafts) for `model`, or
-    None where the one-call forward does not apply (then the modules run). It drafts
-    (kernels.small_llama_draft: the argmax in the same call) where the drafts' LM head, `vocab`'s
-    (a token map) or else the model's, runs on amx_linear too."""
-    if kernels is None or not hasattr(kernels, "small_llama_decode") or not kernels.has_amx_linear \
+    None where the one-call forward does not apply (then the modules run): every linear layer
+    on amx_linear, or every one on small_linear. It drafts (kernels.small_llama_draft: the
+    argmax in the same call) where the drafts' LM head, `vocab`'s (a token map) or else the
+    model's, runs on the same kernel too."""
+    if kernels is None or not hasattr(kernels, "small_llama_decode") \
             or type(model) is not LlamaForCausalLM or model.tp is not None \
             or not isinstance(model.embed_tokens, nn.Embedding) or not isinstance(attn, CpuBackend) \
             or kv_cache.quantized or model.rotary.kernels is None:
@@ -48,19 +54,26 @@ def fused_decoder(model: nn.Module, kv_cache: KVCache, attn, kernels: ModuleType
         if layer.input_layernorm is None or a.q_norm is not None or a.qk_norm_rotary is not None \
                 or mlp.kernels is None or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}:
             return None
-        rows += [_amx_rows(linear, kernels) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        rows += [_rows(linear, kernels) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if min(r for r, _ in rows[-4:]) == 0:
+            return None
         k_cache, v_cache, _, _ = kv_cache.layer(i)
         layers.append(kernels.SmallLayer(layer.input_layernorm.weight, a.qkv_proj.small, a.o_proj.small,
                                          layer.post_attention_layernorm.weight, mlp.gate_up_proj.small,
                                          mlp.down_proj.small, k_cache, v_cache))
-    if not layers or min(rows) == 0:
+    plain = {p for _, p in rows}
+    if not layers or len(plain) > 1:
         return None
+    plain = plain.pop()
     head = vocab.head if vocab is not None else model.lm_head
-    head_rows = _amx_rows(head, kernels) if isinstance(head, Linear) and model.tp is None else 0
+    head_rows, head_plain = _rows(head, kernels) if isinstance(head, Linear) and model.tp is None else (0, False)
+    if head_plain != plain:
+        head_rows = 0
     first = model.layers[0].self_attn
     fused = kernels.SmallLlama(model.embed_tokens.weight, model.norm.weight, model.rotary.cos_sin, layers,
                                first.num_heads, first.num_kv_heads, first.head_dim,
                                model.layers[0].mlp.down_proj.in_features, eps, first.head_dim ** -0.5,
                                head.small if head_rows else None, head.out_features if head_rows else 0,
-                               vocab.ids.to(torch.int64) if head_rows and vocab is not None else None)
+                               vocab.ids.to(torch.int64) if head_rows and vocab is not None else None, plain)
+    rows = [r for r, _ in rows]
     return fused, min(rows + [head_rows] if head_rows else rows), bool(head_rows)
