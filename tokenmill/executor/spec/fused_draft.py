@@ -48,21 +48,22 @@ def fused_decoder(model: nn.Module, kv_cache: KVCache, attn, kernels: ModuleType
             or not isinstance(model.embed_tokens, nn.Embedding) or not isinstance(attn, CpuBackend) \
             or kv_cache.quantized or model.rotary.kernels is None:
         return None
-    rows, layers, eps = [], [], model.norm.eps
+    rows, plain, layers, eps = [], set(), [], model.norm.eps
     for i, layer in enumerate(model.layers):
         a, mlp = layer.self_attn, layer.mlp
         if layer.input_layernorm is None or a.q_norm is not None or a.qk_norm_rotary is not None \
                 or mlp.kernels is None or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}:
             return None
-        rows += [_rows(linear, kernels) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if min(r for r, _ in rows[-4:]) == 0:
+        found = [_rows(linear, kernels) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if min(r for r, _ in found) == 0:
             return None
+        rows += [r for r, _ in found]
+        plain |= {p for _, p in found}
         k_cache, v_cache, _, _ = kv_cache.layer(i)
         layers.append(kernels.SmallLayer(layer.input_layernorm.weight, a.qkv_proj.small, a.o_proj.small,
                                          layer.post_attention_layernorm.weight, mlp.gate_up_proj.small,
                                          mlp.down_proj.small, k_cache, v_cache))
-    plain = {p for _, p in rows}
-    if not layers or len(plain) > 1:
+    if not layers or len(plain) > 1:  # (no model of amx_linear and small_linear layers both)
         return None
     plain = plain.pop()
     head = vocab.head if vocab is not None else model.lm_head
@@ -75,5 +76,4 @@ def fused_decoder(model: nn.Module, kv_cache: KVCache, attn, kernels: ModuleType
                                model.layers[0].mlp.down_proj.in_features, eps, first.head_dim ** -0.5,
                                head.small if head_rows else None, head.out_features if head_rows else 0,
                                vocab.ids.to(torch.int64) if head_rows and vocab is not None else None, plain)
-    rows = [r for r, _ in rows]
     return fused, min(rows + [head_rows] if head_rows else rows), bool(head_rows)
