@@ -160,6 +160,61 @@ def test_cpu_bf16_decode_of_long_contexts_beside_short_ones(heads, kv_heads, dim
     assert torch.allclose(out, ref, atol=2e-2, rtol=2e-2)
 
 
+# rows of one request that attend over the same blocks, each one token more (speculative
+# verification: its last token and drafts), beside a decode and other verifications; (rows, context)
+VERIFICATIONS = [(5, 41), (1, 300), (3, 3), (17, 120), (2, 16)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (6, 2, 32), (8, 1, 32), (16, 2, 16), (4, 4, 128)])
+@pytest.mark.parametrize("dtype, kv_dtype, tol", [
+    (torch.float32, None, 1e-5), (torch.bfloat16, None, 2e-2), (torch.float32, torch.int8, 5e-4),
+    (torch.float32, torch.float8_e4m3fn, 1e-5)], ids=["fp32", "bf16", "int8", "fp8_e4m3"])
+def test_cpu_decode_kernel_attends_a_requests_rows_together_as_each_alone(threads, heads, kv_heads, dim, dtype,
+                                                                           kv_dtype, tol):
+    """The AVX2 kernel attends a run of rows over the same blocks as one job per kv head, K and
+    V read once for all their query heads: each row's output is the one it gets alone, bit for
+    bit (a verified draft's row is the decode that would have made it), and the dense
+    reference's. The cache holds NaN outside the contexts."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("CPU kernels could not be built here")
+    gen = torch.Generator().manual_seed(6)
+    block_size, num_blocks = 16, 64
+    cache = torch.full((1, 2, num_blocks * block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, seq_lens, ks, vs = [], [], [], []
+    width = -(-max(context for _, context in VERIFICATIONS) // block_size)
+    for rows, context in VERIFICATIONS:
+        blocks = [perm.pop() for _ in range(-(-context // block_size))]
+        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(context)])
+        cache[0, :, slots] = torch.randn(2, context, kv_heads, dim, generator=gen).to(dtype)
+        ks.append(round_trip(cache[0, 0, slots], kv_dtype))
+        vs.append(round_trip(cache[0, 1, slots], kv_dtype))
+        tables += [blocks + [0] * (width - len(blocks))] * rows
+        seq_lens += range(context - rows + 1, context + 1)
+    kv = as_kv_cache(cache, kv_dtype)
+    k_cache, v_cache, k_scales, v_scales = kv.layer(0)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen).to(dtype)
+    table, lens = torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+    scale = dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = torch.full_like(q, float("nan"))
+        kernels.paged_decode_attention(together, q, k_cache, v_cache, table, lens, block_size, scale, k_scales,
+                                       v_scales)
+        alone = torch.full_like(q, float("nan"))
+        for i in range(len(q)):
+            kernels.paged_decode_attention(alone[i:i + 1], q[i:i + 1], k_cache, v_cache, table[i:i + 1],
+                                           lens[i:i + 1], block_size, scale, k_scales, v_scales)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, alone)
+    ref = dense_reference(q, ks, vs, [rows for rows, _ in VERIFICATIONS], [c for _, c in VERIFICATIONS])
+    assert torch.allclose(together.double(), ref, atol=tol, rtol=tol)
+
+
 @pytest.fixture
 def prefill_kernels():
     kernels = load_cpu_kernels()
