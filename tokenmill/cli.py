@@ -50,7 +50,9 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--num-threads": ("num_threads", dict(type=int, default=None, help="torch threads on CPU")),
     "--attention-backend": ("attention_backend", dict(default="auto", choices=["auto", "cpu", "torch", "triton"],
                                                       help="auto: triton on CUDA, the native kernels on the CPU")),
-    "--enforce-eager": ("enforce_eager", dict(action="store_true", help="CUDA: no CUDA graphs for decode steps")),
+    "--enforce-eager": ("enforce_eager", dict(
+        action="store_true", help="every step through the model's modules: no CUDA graphs for decode steps, no "
+        "one-call CPU forward of a small model's (executor/fused_decoder.py)")),
     "--async-scheduling": ("async_scheduling", dict(
         action=argparse.BooleanOptionalAction, default=None,
         help="schedule the next step while the GPU runs this one (default: on for CUDA, off on the CPU)")),

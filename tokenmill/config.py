@@ -142,7 +142,8 @@ class EngineConfig:
     fair_output_token_weight: float = 2.0
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on the CPU) | cpu | torch | triton
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    # every step through the model's modules: no CUDA graphs (CUDA), no one-call forward of a small model (CPU)
+    enforce_eager: bool = False
     # schedule step N + 1 while the device runs step N (engine.py); None: on for CUDA, off on the
     # CPU (whose forward runs on the host thread, so nothing overlaps), off with speculative
     # decoding or tensor parallel, which it does not run with yet

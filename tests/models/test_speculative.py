@@ -290,7 +290,7 @@ def test_a_catch_up_forward_is_split_into_its_drafting_rows_and_the_catch_up(ada
 def test_fused_draft_forward_equals_the_modules(dtype):
     """Where the built-in draft model's layers run on amx_linear (a CPU with AMX, bfloat16) or on
     small_linear (float32, a CPU with AVX2 and FMA), its forwards run in one native call
-    (executor/spec/fused_draft.py), each token a row of its own (one a request for later drafts;
+    (executor/fused_decoder.py), each token a row of its own (one a request for later drafts;
     a request's new tokens, or a catch-up, in a step's first forward): each gives the modules' hidden states over the same rows bit for bit, and where the
     drafts' head joins the call (small_llama_draft), the drafts of the modules' argmax."""
     import numpy as np

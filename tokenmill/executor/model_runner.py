@@ -25,11 +25,13 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import TokenLogprobs
 from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
+from tokenmill.executor.attention.cpu import SHORT_QUERY
 from tokenmill.executor.attention.kv_cache import CacheOwner, cache_dtype
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.cuda_graphs import CudaGraphRunner
 from tokenmill.executor.distributed.parallel import TensorParallel, check_tensor_parallel, shard_model_config
 from tokenmill.executor.distributed.workers import TensorParallelWorkers, WorkerGroupError
+from tokenmill.executor.fused_decoder import fused_decoder
 from tokenmill.executor.layers.quantization import resolve_quantization
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.memory import num_kv_blocks
@@ -143,6 +145,12 @@ class ModelRunner(CacheOwner):
             self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
         self.attn = self.make_backend(self.kv_cache)
+        # a small plain Llama's steps of one row a token, in one native call (executor/fused_decoder.py)
+        self.kernels = kernels
+        fused = None if config.enforce_eager else fused_decoder(self.model, self.kv_cache, self.attn, kernels)
+        self.fused, self.fused_rows, _ = fused or (None, 0, False)
+        if self.fused is not None:
+            logger.info("steps of up to %d tokens, each a row of its own, run in one native call", self.fused_rows)
         self.step_cost: StepCost | None = None
         if spec is not None and spec.adaptive:  # what a step costs by its tokens, for choosing drafts
             self.step_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024),
@@ -301,6 +309,8 @@ class ModelRunner(CacheOwner):
         if self.graphs is not None and self.graphs.can_run(step.query_lens):
             return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_table,
                                    fill)
+        if self.fused is not None and len(step.input_ids) <= self.fused_rows and step.query_lens.max() <= SHORT_QUERY:
+            return self._forward_fused(step, fill)
         put = self.staging.to_device
         self.attn.begin_step(AttentionMetadata.from_host(step.query_lens, step.seq_lens, step.block_table,
                                                          put(step.slot_mapping), self.block_size, put))
@@ -308,6 +318,18 @@ class ModelRunner(CacheOwner):
         if fill is not None:
             input_ids[fill[0]] = fill[1]
         return self.model(input_ids, put(step.positions), self.attn)
+
+    def _forward_fused(self, step: StepInput, fill: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """_forward in one native call: each token a row of its own, with its request's block
+        table row, attending to the context up to itself (as the CPU backend's decode rows do)."""
+        t = torch.from_numpy
+        ids = t(step.input_ids)
+        if fill is not None:
+            ids[fill[0]] = fill[1]
+        request = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+        return self.kernels.small_llama_decode(self.fused, ids, t(step.positions), t(step.slot_mapping),
+                                               t(step.block_table[request]), t((step.positions + 1).astype(np.int32)),
+                                               self.block_size)
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInput) -> None:

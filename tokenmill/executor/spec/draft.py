@@ -39,7 +39,7 @@ from tokenmill.executor.attention import AttentionMetadata, select_attention_bac
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.spec.adaptive import StepCost, acceptance, continuation
-from tokenmill.executor.spec.fused_draft import fused_decoder
+from tokenmill.executor.fused_decoder import fused_decoder
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 from tokenmill.executor.spec.rests import DraftChoice
 from tokenmill.executor.spec.timing import measure_step_cost

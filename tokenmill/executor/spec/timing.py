@@ -10,8 +10,10 @@ import numpy as np
 import torch
 
 from tokenmill.executor.attention import AttentionMetadata, token_slots
+from tokenmill.executor.attention.cpu import SHORT_QUERY
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.spec.adaptive import StepCost
+from tokenmill.executor.step_input import StepInput
 
 if TYPE_CHECKING:
     from tokenmill.executor.model_runner import ModelRunner
@@ -49,8 +51,11 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     per_seq = -(-context // bs)
     backend = runner.make_backend(runner.kv_cache)
     put = runner.staging.to_device
-    # a draft model's forwards of up to fused_rows rows run in one call in the engine's step, and are timed so
+    # forwards of up to fused_rows rows, each token a row of its own, run in one call in the engine's
+    # step, and are timed so: a draft model's (DraftModel._decode_rows: no attention plan), the
+    # target's (ModelRunner._forward_fused)
     one_call = getattr(runner, "fused_rows", 0)
+    drafter = hasattr(runner, "decode_rows")
     if argmax is None:
         def argmax(hidden: torch.Tensor) -> torch.Tensor:
             return runner.sampler._argmax(runner.model.compute_logits(hidden))
@@ -66,13 +71,18 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
         while runs <= repeats or (runs < most and spent < 0.05):
             runs += 1
             start = time.perf_counter()
-            if query == 1 and n <= one_call:  # (DraftModel._decode_rows: no attention plan)
+            seq_lens = np.full(n, seq_len, dtype=np.int32)
+            if drafter and query == 1 and n <= one_call:
                 runner.decode_rows(positions, block_table, [0] * n)
             else:
                 runner.staging.begin()
-                backend.begin_step(AttentionMetadata.from_host(query_lens, np.full(n, seq_len, dtype=np.int32),
-                                                               block_table, put(slots), bs, put))
-                hidden = runner.model(put(np.zeros(n * query, dtype=np.int64)), put(positions), backend)
+                if not drafter and n * query <= one_call and query <= SHORT_QUERY:
+                    hidden = runner._forward_fused(StepInput(np.zeros(n * query, dtype=np.int64), positions, slots,
+                                                             query_lens, seq_lens, block_table), None)
+                else:
+                    backend.begin_step(AttentionMetadata.from_host(query_lens, seq_lens, block_table, put(slots), bs,
+                                                                   put))
+                    hidden = runner.model(put(np.zeros(n * query, dtype=np.int64)), put(positions), backend)
                 if query > 1:
                     hidden = hidden[query - 1::query]
                 ids = argmax(hidden)
