@@ -91,8 +91,8 @@ def test_adaptive_speculation_keeps_the_output_and_counts_its_choices(engines, a
 
 def test_the_step_cost_is_timed_where_the_linear_layers_change_paths(adaptive):
     """Past its small_rows rows a linear layer leaves its small-step kernel for the packed
-    weight (SMALL_ROWS in float32): the start-up timing has a point on each side, so a step of
-    9 tokens is priced as timed."""
+    weight (SMALL_ROWS in float32), and the step leaves the one-call forward: the start-up
+    timing has a point on each side, so a step of SMALL_ROWS + 1 tokens is priced as timed."""
     from tokenmill.executor.layers.linear import SMALL_ROWS, Linear
     runner = adaptive.engine.runner
     changes = {m.small_rows + 1 for m in runner.model.modules() if isinstance(m, Linear) and m.small is not None}

@@ -85,7 +85,7 @@ def small_linear(kernels):
     return kernels.small_linear
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", [*range(1, 10), 16, 21])  # past 8: passes of 8 rows
 @pytest.mark.parametrize("out_features, in_features", [(512, 256), (37, 70), (130, 8), (5, 3)])
 def test_small_linear_against_float64(small_linear, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows)
@@ -102,17 +102,17 @@ def test_small_linear_rows_do_not_depend_on_each_other(small_linear):
     """A row's output is the same, bit for bit, whatever rows are computed with it: a
     verified draft's row equals the decode that would have made it."""
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(8, 700, generator=g)
+    x = torch.randn(21, 700, generator=g)
     w = torch.randn(1408, 700, generator=g)
-    alone = torch.cat([small_linear(x[i:i + 1], w) for i in range(8)])
-    for rows in range(2, 9):
+    alone = torch.cat([small_linear(x[i:i + 1], w) for i in range(21)])
+    for rows in range(2, 22):
         assert torch.equal(small_linear(x[:rows], w), alone[:rows])
 
 
 def test_small_linear_refuses_what_it_does_not_run(small_linear):
     w = torch.randn(16, 32)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        small_linear(torch.randn(9, 32), w)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        small_linear(torch.randn(0, 32), w)
     with pytest.raises(RuntimeError, match="float32"):
         small_linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16())
     with pytest.raises(RuntimeError, match="x \\[rows, in\\]"):

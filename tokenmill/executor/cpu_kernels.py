@@ -1,6 +1,6 @@
 """Native CPU kernels (paged decode and prefill attention, RMSNorm, rotary, SiLU-and-mul,
-greedy argmax, W8A8 INT8 linear layers through fbgemm, float32 linear layers of up to 8
-rows and bfloat16 ones of up to 16), compiled on first use with torch's C++ extension builder.
+greedy argmax, W8A8 INT8 linear layers through fbgemm, float32 linear layers of a few
+rows (8 a pass) and bfloat16 ones of up to 16), compiled on first use with torch's C++ extension builder.
 
 Building needs a C++ compiler and ninja; it takes about a minute once per machine
 (the result is cached under ~/.cache/tokenmill, in a folder keyed by everything the

@@ -22,12 +22,17 @@ if TYPE_CHECKING:
 
 # float32 weights with fewer elements than this (8 MB) also keep their plain copy, for steps
 # of at most SMALL_ROWS rows (decodes of a small batch, speculative verification): the CPU
-# kernels' small_linear reads each weight row once for all of them (AVX2; 1.6-3x faster
+# kernels' small_linear reads each weight row once for up to 8 of them (AVX2; 1.6-3x faster
 # than the better of MKL's GEMM and oneDNN's packed call at the built-in model's shapes, by
-# benchmarks/linear_layout.py). Without those kernels MKL's GEMM runs the plain copy up to
-# PLAIN_ROWS rows, where it beats oneDNN's packed layout
+# benchmarks/linear_layout.py), in passes of 8 rows past 8: at 9-16 rows 0.35-0.9x oneDNN's
+# time at the built-in model's layers, 0.6-1.4x at the 56M model's (a 2-core AMD EPYC), and a
+# small model's steps of up to 16 tokens then run in one native call
+# (executor/fused_decoder.py), which is what decides at a few requests: the built-in model
+# decoded 12 requests at 1.27x the tokens/s it did with 8 rows here, and a step that verified
+# drafts of 4 requests past 8 tokens had cost 4.9 ms against 2.1 ms at 8. Without those kernels MKL's GEMM runs the plain copy up to PLAIN_ROWS rows,
+# where it beats oneDNN's packed layout
 SMALL_FLOAT32_WEIGHT = 1 << 21
-SMALL_ROWS = 8
+SMALL_ROWS = 16
 PLAIN_ROWS = 4
 
 
