@@ -139,6 +139,50 @@ def test_greedy_outputs_equal_decoding_without_drafts(eagle, plain):
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_call_head_forward_equals_the_modules(dtype):
+    """Where the head's layers and its token map's LM head run on amx_linear (AMX, bfloat16) or on
+    small_linear (float32, AVX2 and FMA), its forwards run in one native call (small_eagle_draft),
+    each token a row of its own: a request's pairs in a step's first forward, one a request for
+    later drafts. Each gives the modules' outputs over the same rows and features bit for bit,
+    and the drafts of the modules' argmax; greedy outputs equal decoding without drafts."""
+    import numpy as np
+
+    from tokenmill.executor.attention import AttentionMetadata
+
+    spec = {**SPEC, "num_speculative_tokens": 4}
+    llm = LLM(dtype=dtype, kv_cache_memory="16MiB", max_num_seqs=3, speculative_config=spec)
+    drafter = llm.engine.runner.drafter
+    if drafter.fused is None:
+        pytest.skip("the one-call head forward needs amx_linear (AMX-BF16) in bfloat16, small_linear (AVX2 and "
+                    "FMA) in float32")
+    assert drafter.fused_drafts  # the token map's head runs on the layers' kernel: the drafts come from the call
+    kernels, rows = drafter.kernels, []
+
+    class Both:
+        @staticmethod
+        def small_eagle_draft(model, ids, features, positions, table, block_size, at):
+            drafts, hidden = kernels.small_eagle_draft(model, ids, features, positions, table, block_size, at)
+            # the modules over the same rows (the same K/V written again), attention planned as _forward does
+            slots = table[torch.arange(len(ids)), positions // block_size].long() * block_size + positions % block_size
+            drafter.attn.begin_step(AttentionMetadata.from_host(np.ones(len(ids), dtype=np.int32),
+                                                                (positions + 1).int().numpy(), table.numpy(), slots,
+                                                                block_size, torch.from_numpy))
+            want = drafter.model(torch.tensor(ids), positions, drafter.attn, features)[at]
+            assert torch.equal(hidden, want)
+            assert drafts == drafter._argmax(want).tolist()
+            rows.append(len(ids))
+            return drafts, hidden
+
+    drafter.kernels = Both
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    outputs = completions(run(llm, params))
+    assert rows and min(rows) == 1 and max(rows) > 3  # later drafts of 1-3 requests, first forwards of more pairs
+    if dtype == "float32":
+        plain = LLM(dtype=dtype, kv_cache_memory="16MiB", max_num_seqs=3)
+        assert outputs == completions(run(plain, params))
+
+
 def test_a_long_rest_keeps_no_pairs_and_the_runner_skips_the_head(plain, monkeypatch):
     """After MAX_LOGGED_REST logged resting steps since the head last drafted, a resting decode
     step of IDLE_BATCH requests or more keeps no pairs and the runner does not call the head

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import torch
 
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.executor.spec.eagle import EagleProposer, Rest
+from tokenmill.executor.spec.eagle import EagleProposer
+from tokenmill.executor.spec.eagle_pairs import Rest
 from tokenmill.sampling_params import SamplingParams
 
 

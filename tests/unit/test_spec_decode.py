@@ -441,7 +441,7 @@ def test_eagle_waiting_pairs_keep_their_order_drop_whole_old_pieces_and_hold_no_
     ints, the pieces share their slab)."""
     import gc
 
-    from tokenmill.executor.spec.eagle import MAX_WAITING, Waiting
+    from tokenmill.executor.spec.eagle_pairs import MAX_WAITING, Waiting
 
     slab = torch.arange(64.0).reshape(32, 2)
     w = Waiting(10)

@@ -309,7 +309,7 @@ class ModelRunner(CacheOwner):
         if self.graphs is not None and self.graphs.can_run(step.query_lens):
             return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_table,
                                    fill)
-        if self.fused is not None and len(step.input_ids) <= self.fused_rows and step.query_lens.max() <= SHORT_QUERY:
+        if self.fits_one_call(len(step.input_ids), int(step.query_lens.max())):
             return self._forward_fused(step, fill)
         put = self.staging.to_device
         self.attn.begin_step(AttentionMetadata.from_host(step.query_lens, step.seq_lens, step.block_table,
@@ -318,6 +318,11 @@ class ModelRunner(CacheOwner):
         if fill is not None:
             input_ids[fill[0]] = fill[1]
         return self.model(input_ids, put(step.positions), self.attn)
+
+    def fits_one_call(self, num_tokens: int, longest_query: int) -> bool:
+        """Whether a step of `num_tokens` tokens, no request's query longer than `longest_query`,
+        runs in one native call (_forward_fused)."""
+        return self.fused is not None and num_tokens <= self.fused_rows and longest_query <= SHORT_QUERY
 
     def _forward_fused(self, step: StepInput, fill: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """_forward in one native call: each token a row of its own, with its request's block

@@ -9,10 +9,14 @@
 // kernels are about 0.04 ms: the rest was the modules' calls; here 0.06 ms. The same kernels run
 // in the same order on the same tensors, so the result is the modules' bit for bit. In float32 on
 // an AVX2-only AMD EPYC, the modules' forward took 0.50 ms at 1-8 rows (start-up timing).
+// An EAGLE head (executor/models/llama_eagle.py) is such a model too: `fc` before its one layer,
+// which has no input norm, and no final norm; its drafts read features, the target's hidden states
+// or its own outputs (small_eagle_draft).
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 // the kernels of this extension's other files
@@ -33,7 +37,7 @@ namespace py = pybind11;
 namespace {
 
 // a decoder layer's weights: the norms' plain, the linears' laid out by pack_bf16_pairs (or plain
-// float32 [out, in] for small_linear); its caches
+// float32 [out, in] for small_linear); its caches. No input norm in an EAGLE head's layer
 struct SmallLayer {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache;
 };
@@ -48,6 +52,9 @@ struct SmallLlama {
   torch::Tensor head, head_ids;
   int64_t head_out = 0;
   bool plain = false;  // the linears' weights are float32 [out, in] for small_linear, not amx_linear's layout
+  // an EAGLE head's [hidden, 2 x hidden] map of (embedding, features) to its layer's input; such a
+  // model has no final norm (final_norm undefined): its output is the layer's plus the residual
+  torch::Tensor fc;
 };
 
 // y = x W^T, `out` columns, on the model's linear kernel
@@ -57,21 +64,28 @@ torch::Tensor linear(const SmallLlama& m, const torch::Tensor& x, const torch::T
 
 // LlamaForCausalLM.forward of n rows (ids, positions [n] int64), row i attending over block_table[i]
 // [n, max_blocks] to seq_lens[i] tokens (int32, its own included: its request's row and its
-// position + 1), the new K/V into slot_mapping [n] first: the final norm's output [n, hidden]
+// position + 1), the new K/V into slot_mapping [n] first: the final norm's output [n, hidden]. An
+// EAGLE head's (EagleLlamaForCausalLM.forward) reads `features` [n, hidden] (zeros if none)
 torch::Tensor small_llama_decode(const SmallLlama& m, torch::Tensor ids, torch::Tensor positions,
                                  torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
-                                 int64_t block_size) {
+                                 int64_t block_size, c10::optional<torch::Tensor> features) {
   TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() && slot_mapping.sizes() == ids.sizes() &&
                   seq_lens.size(0) == ids.size(0) && block_table.size(0) == ids.size(0),
               "small_llama_decode: one id, position, slot, block table row and length a request");
   const int64_t n = ids.size(0), q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
   torch::Tensor x = m.embed.index_select(0, ids), residual;
+  if (m.fc.defined()) {
+    TORCH_CHECK(!features.has_value() || (features->dim() == 2 && features->size(0) == n &&
+                                          features->size(1) == m.hidden && features->dtype() == x.dtype()),
+                "small_llama_decode: features must be [", n, ", ", m.hidden, "] of the model's dtype");
+    x = linear(m, torch::cat({x, features.has_value() ? *features : torch::zeros_like(x)}, 1), m.fc, m.hidden);
+  }
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const SmallLayer& layer = m.layers[i];
     torch::Tensor h;
     if (i == 0) {
       residual = x;
-      h = rms_norm(x, c10::nullopt, layer.input_norm, m.eps);
+      h = layer.input_norm.defined() ? rms_norm(x, c10::nullopt, layer.input_norm, m.eps) : x;
     } else {
       h = rms_norm(x, residual, layer.input_norm, m.eps);  // residual += x
     }
@@ -90,25 +104,23 @@ torch::Tensor small_llama_decode(const SmallLlama& m, torch::Tensor ids, torch::
     const torch::Tensor gate_up = linear(m, h, layer.gate_up, 2 * m.intermediate);
     x = linear(m, silu_and_mul(gate_up), layer.down, m.hidden);
   }
+  if (!m.final_norm.defined()) return x + residual;
   return rms_norm(x, residual, m.final_norm, m.eps);
 }
 
 // small_llama_decode of `ids` at `positions` (int64 [n]), row i attending over block_table[i]
-// (int32 [n, max_blocks]) up to itself, then the drafts at `rows` (all rows if none): the argmax
-// of the head's logits (the first on ties), mapped to token ids by head_ids. The slots and the
-// lengths come from the positions here, and the ids come and go as lists: at one request the
-// head, the argmax and those steps took 25-45 us a forward in Python on a 2-core Xeon, where the
-// forward itself is 60 us
-std::vector<int64_t> small_llama_draft(const SmallLlama& m, const std::vector<int64_t>& ids, torch::Tensor positions,
-                                       torch::Tensor block_table, int64_t block_size,
-                                       c10::optional<torch::Tensor> rows) {
-  TORCH_CHECK(m.head.defined(), "small_llama_draft: the model was built without a head");
+// (int32 [n, max_blocks]) up to itself: the slots and the lengths come from the positions here, and
+// the ids come as a list. `rows`: the output's rows kept (all if none). `name`: the caller's, for errors
+torch::Tensor forward_at(const SmallLlama& m, const std::vector<int64_t>& ids, torch::Tensor positions,
+                         torch::Tensor block_table, int64_t block_size, const c10::optional<torch::Tensor>& rows,
+                         const c10::optional<torch::Tensor>& features, const char* name) {
+  TORCH_CHECK(m.head.defined(), name, ": the model was built without a head");
   const int64_t n = static_cast<int64_t>(ids.size());
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.dim() == 1 && positions.size(0) == n,
-              "small_llama_draft: positions must be int64 [", n, "], one an id");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 && block_table.size(0) == n,
-              "small_llama_draft: block_table must be int32 [", n, ", max_blocks], one row an id");
-  TORCH_CHECK(block_size > 0, "small_llama_draft: block_size must be positive, got ", block_size);
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.dim() == 1 && positions.size(0) == n, name,
+              ": positions must be int64 [", n, "], one an id");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 && block_table.size(0) == n, name,
+              ": block_table must be int32 [", n, ", max_blocks], one row an id");
+  TORCH_CHECK(block_size > 0, name, ": block_size must be positive, got ", block_size);
   positions = positions.contiguous();
   block_table = block_table.contiguous();
   const int64_t width = block_table.size(1);
@@ -119,14 +131,21 @@ std::vector<int64_t> small_llama_draft(const SmallLlama& m, const std::vector<in
   int64_t* slot = slots.data_ptr<int64_t>();
   int32_t* len = seq_lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] / block_size < width, "small_llama_draft: position ", pos[i],
+    TORCH_CHECK(pos[i] >= 0 && pos[i] / block_size < width, name, ": position ", pos[i],
                 " is outside its block table row (", width, " blocks of ", block_size, ")");
     slot[i] = static_cast<int64_t>(table[i * width + pos[i] / block_size]) * block_size + pos[i] % block_size;
     len[i] = static_cast<int32_t>(pos[i] + 1);
   }
   const torch::Tensor id_tensor = torch::tensor(ids, positions.options());
-  torch::Tensor hidden = small_llama_decode(m, id_tensor, positions, slots, block_table, seq_lens, block_size);
+  torch::Tensor hidden =
+      small_llama_decode(m, id_tensor, positions, slots, block_table, seq_lens, block_size, features);
   if (rows.has_value() && rows->size(0) != n) hidden = hidden.index_select(0, *rows);
+  return hidden;
+}
+
+// the drafts of `hidden`'s rows: the argmax of the head's logits (the first on ties), mapped to token
+// ids by head_ids
+std::vector<int64_t> head_argmax(const SmallLlama& m, const torch::Tensor& hidden) {
   if (hidden.size(0) == 0) return {};
   torch::Tensor best = argmax_rows(linear(m, hidden, m.head, m.head_out));
   if (m.head_ids.defined()) best = m.head_ids.index_select(0, best);
@@ -134,20 +153,48 @@ std::vector<int64_t> small_llama_draft(const SmallLlama& m, const std::vector<in
   return std::vector<int64_t>(b, b + best.size(0));
 }
 
+// forward_at, then the drafts at `rows` (all rows if none). At one request the head, the argmax and
+// those steps took 25-45 us a forward in Python on a 2-core Xeon, where the forward itself is 60 us
+std::vector<int64_t> small_llama_draft(const SmallLlama& m, const std::vector<int64_t>& ids, torch::Tensor positions,
+                                       torch::Tensor block_table, int64_t block_size,
+                                       c10::optional<torch::Tensor> rows) {
+  return head_argmax(m, forward_at(m, ids, positions, block_table, block_size, rows, c10::nullopt,
+                                   "small_llama_draft"));
+}
+
+// an EAGLE head's small_llama_draft over `features` [n, hidden]: the drafts at `rows` and the
+// head's outputs there (the features of the drafts after them)
+std::tuple<std::vector<int64_t>, torch::Tensor> small_eagle_draft(const SmallLlama& m, const std::vector<int64_t>& ids,
+                                                                  torch::Tensor features, torch::Tensor positions,
+                                                                  torch::Tensor block_table, int64_t block_size,
+                                                                  c10::optional<torch::Tensor> rows) {
+  TORCH_CHECK(m.fc.defined(), "small_eagle_draft: the model is not an EAGLE head (no fc)");
+  torch::Tensor hidden = forward_at(m, ids, positions, block_table, block_size, rows, features, "small_eagle_draft");
+  return {head_argmax(m, hidden), hidden};
+}
+
 }  // namespace
 
 void bind_small_decode(py::module& m) {
   py::class_<SmallLayer>(m, "SmallLayer")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                    torch::Tensor, torch::Tensor>(),
+      .def(py::init([](c10::optional<torch::Tensor> input_norm, torch::Tensor qkv, torch::Tensor o,
+                       torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor down, torch::Tensor k_cache,
+                       torch::Tensor v_cache) {
+             return SmallLayer{input_norm.value_or(torch::Tensor()), qkv, o, post_norm, gate_up, down, k_cache,
+                               v_cache};
+           }),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"), py::arg("gate_up"),
            py::arg("down"), py::arg("k_cache"), py::arg("v_cache"));
   py::class_<SmallLlama>(m, "SmallLlama")
-      .def(py::init([](torch::Tensor embed, torch::Tensor final_norm, torch::Tensor cos_sin,
+      .def(py::init([](torch::Tensor embed, c10::optional<torch::Tensor> final_norm, torch::Tensor cos_sin,
                        std::vector<SmallLayer> layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        int64_t intermediate, double eps, double scale, c10::optional<torch::Tensor> head,
-                       int64_t head_out, c10::optional<torch::Tensor> head_ids, bool plain) {
-             SmallLlama s{embed, final_norm, cos_sin, std::move(layers)};
+                       int64_t head_out, c10::optional<torch::Tensor> head_ids, bool plain,
+                       c10::optional<torch::Tensor> fc) {
+             TORCH_CHECK(final_norm.has_value() != fc.has_value(),
+                         "SmallLlama: a final norm (a Llama) or fc (an EAGLE head), one of them");
+             SmallLlama s{embed, final_norm.value_or(torch::Tensor()), cos_sin, std::move(layers)};
+             if (fc.has_value()) s.fc = *fc;
              s.heads = heads, s.kv_heads = kv_heads, s.head_dim = head_dim, s.hidden = embed.size(1);
              s.intermediate = intermediate, s.eps = eps, s.scale = scale, s.plain = plain;
              if (head.has_value()) {
@@ -163,15 +210,20 @@ void bind_small_decode(py::module& m) {
            py::arg("embed"), py::arg("final_norm"), py::arg("cos_sin"), py::arg("layers"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"),
            py::arg("head") = py::none(), py::arg("head_out") = 0, py::arg("head_ids") = py::none(),
-           py::arg("plain") = false);
+           py::arg("plain") = false, py::arg("fc") = py::none());
   m.def("small_llama_decode", &small_llama_decode,
         "a small Llama's decode forward, one token a request, in one call (amx_linear layers and a bf16 cache, or "
         "small_linear ones and a float32 cache)",
         py::arg("model"), py::arg("ids"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_table"),
-        py::arg("seq_lens"), py::arg("block_size"));
+        py::arg("seq_lens"), py::arg("block_size"), py::arg("features") = py::none());
   m.def("small_llama_draft", &small_llama_draft,
         "small_llama_decode (slots and lengths from the positions), then the argmax of the model's head at the "
         "given rows, as token ids",
         py::arg("model"), py::arg("ids"), py::arg("positions"), py::arg("block_table"), py::arg("block_size"),
         py::arg("rows") = py::none());
+  m.def("small_eagle_draft", &small_eagle_draft,
+        "an EAGLE head's small_llama_draft over the given features: the drafts at the given rows and the head's "
+        "outputs there",
+        py::arg("model"), py::arg("ids"), py::arg("features"), py::arg("positions"), py::arg("block_table"),
+        py::arg("block_size"), py::arg("rows") = py::none());
 }

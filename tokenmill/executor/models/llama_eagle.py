@@ -40,6 +40,7 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
         self.tp = None
         self.embed = target.embed_tokens.forward
         self.target_logits = target.compute_logits
+        self.shared = (target.embed_tokens, target.lm_head)  # (for the one-call forward: executor/fused_decoder.py)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, kernels)
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0, kernels, input_norm=False)])

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from tokenmill.executor.attention import AttentionMetadata, token_slots
-from tokenmill.executor.attention.cpu import SHORT_QUERY
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.spec.adaptive import StepCost
 from tokenmill.executor.step_input import StepInput
@@ -76,7 +75,7 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
                 runner.decode_rows(positions, block_table, [0] * n)
             else:
                 runner.staging.begin()
-                if not drafter and n * query <= one_call and query <= SHORT_QUERY:
+                if not drafter and runner.fits_one_call(n * query, query):
                     hidden = runner._forward_fused(StepInput(np.zeros(n * query, dtype=np.int64), positions, slots,
                                                              query_lens, seq_lens, block_table), None)
                 else:
