@@ -145,7 +145,9 @@ def test_one_call_head_forward_equals_the_modules(dtype):
     small_linear (float32, AVX2 and FMA), its forwards run in one native call (small_eagle_draft),
     each token a row of its own: a request's pairs in a step's first forward, one a request for
     later drafts. Each gives the modules' outputs over the same rows and features bit for bit,
-    and the drafts of the modules' argmax; greedy outputs equal decoding without drafts."""
+    and the drafts of the modules' argmax; a step's later forwards run in one call
+    (small_draft_chain), whose drafts are those of the same forwards one by one; greedy outputs
+    equal decoding without drafts."""
     import numpy as np
 
     from tokenmill.executor.attention import AttentionMetadata
@@ -174,10 +176,28 @@ def test_one_call_head_forward_equals_the_modules(dtype):
             rows.append(len(ids))
             return drafts, hidden
 
+        @staticmethod
+        def small_draft_chain(model, firsts, positions, table, block_size, ks, features):
+            chained = kernels.small_draft_chain(model, firsts, positions, table, block_size, ks, features)
+            drafts, ks, active = [[first] for first in firsts], np.array(ks), np.arange(len(firsts))
+            for j in range(1, int(ks.max())):  # the same forwards one by one: forward j feeds draft j and its output
+                keep = np.flatnonzero(ks[active] > j)
+                active, at = active[keep], torch.from_numpy(active[keep])
+                nxt, features = Both.small_eagle_draft(model, [drafts[a][-1] for a in active],
+                                                       features[torch.from_numpy(keep)], positions[at] + j - 1,
+                                                       table[at], block_size, torch.arange(len(active)))
+                for a, t in zip(active, nxt):
+                    drafts[a].append(t)
+            assert chained == [d[1:] for d in drafts]
+            chains.append(len(firsts))
+            return chained
+
+    chains = []
     drafter.kernels = Both
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(PROMPTS)
     outputs = completions(run(llm, params))
     assert rows and min(rows) == 1 and max(rows) > 3  # later drafts of 1-3 requests, first forwards of more pairs
+    assert chains and max(chains) > 1  # a step's later drafts in one call (small_draft_chain), of several requests
     if dtype == "float32":
         plain = LLM(dtype=dtype, kv_cache_memory="16MiB", max_num_seqs=3)
         assert outputs == completions(run(plain, params))

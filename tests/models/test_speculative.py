@@ -291,8 +291,10 @@ def test_fused_draft_forward_equals_the_modules(dtype):
     """Where the built-in draft model's layers run on amx_linear (a CPU with AMX, bfloat16) or on
     small_linear (float32, a CPU with AVX2 and FMA), its forwards run in one native call
     (executor/fused_decoder.py), each token a row of its own (one a request for later drafts;
-    a request's new tokens, or a catch-up, in a step's first forward): each gives the modules' hidden states over the same rows bit for bit, and where the
-    drafts' head joins the call (small_llama_draft), the drafts of the modules' argmax."""
+    a request's new tokens, or a catch-up, in a step's first forward): each gives the modules'
+    hidden states over the same rows bit for bit, and where the drafts' head joins the call
+    (small_llama_draft), the drafts of the modules' argmax. A step's later forwards run in one
+    call (small_draft_chain), whose drafts are those of the same forwards one by one."""
     import numpy as np
     import torch
 
@@ -327,9 +329,27 @@ def test_fused_draft_forward_equals_the_modules(dtype):
             drafted.append(len(drafts))
             return drafts
 
+        @staticmethod
+        def small_draft_chain(model, firsts, positions, table, block_size, ks, features):
+            assert features is None  # (an EAGLE head's)
+            chained = kernels.small_draft_chain(model, firsts, positions, table, block_size, ks)
+            drafts, ks, active = [[first] for first in firsts], np.array(ks), np.arange(len(firsts))
+            for j in range(1, int(ks.max())):  # the same forwards one by one: forward j feeds draft j
+                active = active[ks[active] > j]
+                at = torch.from_numpy(active)
+                nxt = Both.small_llama_draft(model, [drafts[a][-1] for a in active], positions[at] + j - 1, table[at],
+                                             block_size)
+                for a, t in zip(active, nxt):
+                    drafts[a].append(t)
+            assert chained == [d[1:] for d in drafts]
+            chains.append(len(firsts))
+            return chained
+
+    chains = []
     drafter.kernels = Both
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     assert rows and min(rows) == 1 and max(rows) > 3  # later drafts of 1-3 requests, first forwards of more tokens
     # the built-in drafter's head (its token map's 2048 rows) runs on the layers' kernel: every forward drafts in
     # the call
     assert drafter.fused_drafts and len(drafted) == len(rows)
+    assert chains and max(chains) > 1  # a step's later drafts in one call (small_draft_chain), of several requests

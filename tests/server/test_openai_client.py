@@ -74,7 +74,10 @@ def test_streamed_text_equals_non_streamed(client, temperature):
     assert text == whole.choices[0].text
     assert finish == whole.choices[0].finish_reason == "length"
     assert usage.completion_tokens == whole.usage.completion_tokens == 40
-    assert chunks > 1
+    # a consumer that falls behind gets its pending deltas merged (engine/async_engine.py): 40
+    # tokens of the built-in model can come in one chunk (0.7 ms a token, the test suite beside
+    # the server), 250 come in several however fast the engine
+    assert stream_completion(client, **{**args, "max_tokens": 250})[3] > 1
 
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "sort a list"}]
     client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=30, seed=3,

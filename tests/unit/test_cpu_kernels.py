@@ -143,6 +143,49 @@ def test_linear_runs_small_steps_through_small_linear(small_linear):
     assert calls == [1, SMALL_ROWS]
 
 
+def test_small_linear_widens_a_bfloat16_weight_exactly(small_linear):
+    """A bfloat16 weight gives the output of its float32 values bit for bit (each value widened as
+    it is read), at 1-21 rows of a strided x, an input not a multiple of 8 (the tail), with and
+    without a bias."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 703, generator=g).bfloat16()
+    b = torch.randn(200, generator=g)
+    x = torch.randn(21, 2 * 703, generator=g)[:, ::2]
+    for rows in (1, 2, 3, 5, 8, 9, 16, 21):
+        assert torch.equal(small_linear(x[:rows], w), small_linear(x[:rows], w.float()))
+        assert torch.equal(small_linear(x[:rows], w, b), small_linear(x[:rows], w.float(), b))
+
+
+def test_a_float32_weight_of_bfloat16_values_keeps_its_small_copy_in_bfloat16(small_linear):
+    """A float32 layer whose values are all bfloat16 ones (a bfloat16 checkpoint served in float32)
+    keeps its copy for small steps in bfloat16, up to twice the elements of a float32 copy (the
+    built-in model's 8,192 x 256 LM head): its output is the float32 copy's bit for bit. One value
+    off keeps float32, and past that size the packed weight alone."""
+    from tokenmill.executor.layers.linear import SMALL_FLOAT32_WEIGHT, Linear
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: layers stay plain")
+    g = torch.Generator().manual_seed(4)
+
+    def layer(out: int, inputs: int, w: torch.Tensor) -> Linear:
+        linear = Linear(inputs, out)
+        linear.weight.data.copy_(w)
+        linear.pack()
+        return linear
+
+    w = torch.randn(SMALL_FLOAT32_WEIGHT // 256, 256, generator=g).bfloat16().float()  # past the float32 copy's size
+    x = torch.randn(16, 256, generator=g)
+    half = layer(len(w), 256, w)
+    assert half.small.dtype == torch.bfloat16 and half.small_kernel is small_linear and half.small_rows == 16
+    with torch.inference_mode():
+        for rows in (1, 5, 16):
+            assert torch.equal(half(x[:rows]), small_linear(x[:rows], w))
+    off = w[:1024].clone()
+    off[7, 3] += off[7, 3].abs() * 2 ** -12  # between two bfloat16 values
+    assert layer(1024, 256, off).small.dtype == torch.float32
+    big = torch.randn(SMALL_FLOAT32_WEIGHT // 128, 256, generator=g).bfloat16().float()
+    assert layer(len(big), 256, big).small is None
+
+
 @pytest.fixture(scope="module")
 def small_linear_bf16(kernels):
     if not kernels.has_small_linear_bf16:

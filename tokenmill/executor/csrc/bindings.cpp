@@ -43,8 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "index of the largest value of each row (first on ties)");
   m.attr("has_small_linear") = has_small_linear();
-  m.def("small_linear", &small_linear, "x W^T (+ b), float32, for a few rows of x, 8 a pass (AVX2 + FMA)", py::arg("x"),
-        py::arg("weight"), py::arg("bias") = py::none());
+  m.def("small_linear", &small_linear,
+        "x W^T (+ b), float32 (the weight float32, or bfloat16 widened exactly), for a few rows of x, 8 a pass "
+        "(AVX2 + FMA)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.attr("has_small_linear_bf16") = has_small_linear_bf16();
   m.def("small_linear_bf16", &small_linear_bf16,
         "x W^T (+ b), bfloat16, for 1 to 16 rows of x, W laid out by pack_bf16_pairs (AVX512-BF16)", py::arg("x"),

@@ -29,11 +29,15 @@ if TYPE_CHECKING:
 # small model's steps of up to 16 tokens then run in one native call
 # (executor/fused_decoder.py), which is what decides at a few requests: the built-in model
 # decoded 12 requests at 1.27x the tokens/s it did with 8 rows here, and a step that verified
-# drafts of 4 requests past 8 tokens had cost 4.9 ms against 2.1 ms at 8. Without those kernels MKL's GEMM runs the plain copy up to PLAIN_ROWS rows,
-# where it beats oneDNN's packed layout
+# drafts of 4 requests past 8 tokens had cost 4.9 ms against 2.1 ms at 8. Without those kernels
+# MKL's GEMM runs the plain copy up to PLAIN_ROWS rows, where it beats oneDNN's packed layout
 SMALL_FLOAT32_WEIGHT = 1 << 21
 SMALL_ROWS = 16
 PLAIN_ROWS = 4
+# a float32 weight whose every value is a bfloat16 one (a bfloat16 checkpoint served in float32, as
+# on a CPU without AVX512-BF16) keeps that copy in bfloat16, which small_linear widens exactly as it
+# reads it: the same output bit for bit from half the bytes, and up to twice the elements in the
+# same 8 MB (the built-in model's 8,192 x 256 LM head)
 
 
 # bfloat16 weights with fewer elements than this (8 MB), with the CPU kernels' small_linear_bf16
@@ -70,6 +74,11 @@ def amx_linear_rows(out_features: int, in_features: int) -> int:
     if in_features % 32:
         return 0
     return AMX_NARROW_ROWS if in_features <= AMX_NARROW or out_features <= 2 * AMX_NARROW else AMX_ROWS
+
+
+def exactly_bfloat16(w: torch.Tensor) -> bool:
+    """Whether every value of `w` is a bfloat16 one."""
+    return torch.equal(w.detach().to(torch.bfloat16).to(w.dtype), w.detach())
 
 
 def packed_rows(rows: int) -> int:
@@ -162,7 +171,8 @@ class Linear(nn.Module):
         2.8x at the LM head's shape. Small float32 weights keep their plain copy too, for
         steps of at most SMALL_ROWS rows (see SMALL_FLOAT32_WEIGHT): oneDNN's call costs
         about 30 us more there, which at one row made a forward of the built-in model 11%
-        slower and of its draft 26% than MKL's GEMM (`benchmarks/linear_layout.py`).
+        slower and of its draft 26% than MKL's GEMM (`benchmarks/linear_layout.py`); in
+        bfloat16 where every value is a bfloat16 one (see exactly_bfloat16).
         Small bfloat16 weights keep a copy for small_linear_bf16, or amx_linear where the CPU
         has AMX (see SMALL_BFLOAT16_WEIGHT and AMX_ROWS).
         Otherwise the plain copy is dropped once packed. A quantized layer packs as its
@@ -178,7 +188,11 @@ class Linear(nn.Module):
             except RuntimeError:  # no 16-bit path in oneDNN on this CPU (no AVX-512 or AVX-NE-CONVERT)
                 return
             kernels = load_cpu_kernels()
-            if w.dtype == torch.float32 and w.numel() < SMALL_FLOAT32_WEIGHT:
+            if w.dtype == torch.float32 and kernels is not None and kernels.has_small_linear \
+                    and w.numel() < 2 * SMALL_FLOAT32_WEIGHT and exactly_bfloat16(w):
+                self.small = w.detach().to(torch.bfloat16)
+                self.small_kernel = kernels.small_linear
+            elif w.dtype == torch.float32 and w.numel() < SMALL_FLOAT32_WEIGHT:
                 self.small = w.detach()
                 if kernels is not None and kernels.has_small_linear:
                     self.small_kernel = kernels.small_linear

@@ -192,14 +192,17 @@ class EagleProposer(DraftModel):
                                       (torch.cat(parts), None))
         drafts = [[t] for t in tokens]
         last = starts + query_lens - 1  # each drafting request's last pair's position
-        active = np.arange(len(drafting))
-        for step in range(1, int(ks.max())):  # forward j + 1: (draft j, the head's output for it)
-            keep = np.flatnonzero(ks[active] > step)
-            active = active[keep]
-            nxt, feats = self._forward(np.ones(len(active), dtype=np.int32), last[active] + step, table[active],
-                                       [drafts[a][-1] for a in active], np.arange(len(active)), 0, (feats, keep))
-            for a, t in zip(active, nxt):
-                drafts[a].append(t)
+        if self.fused_drafts and len(drafting) <= self.fused_rows:
+            self._chain(drafts, last + 1, table, ks, feats)
+        else:
+            active = np.arange(len(drafting))
+            for step in range(1, int(ks.max())):  # forward j + 1: (draft j, the head's output for it)
+                keep = np.flatnonzero(ks[active] > step)
+                active = active[keep]
+                nxt, feats = self._forward(np.ones(len(active), dtype=np.int32), last[active] + step, table[active],
+                                           [drafts[a][-1] for a in active], np.arange(len(active)), 0, (feats, keep))
+                for a, t in zip(active, nxt):
+                    drafts[a].append(t)
         for piece, d in zip(drafting, drafts):
             self.drafts[piece[1].request_id] = d
 
