@@ -18,8 +18,6 @@ On a CPU with native bfloat16 the engines run in bfloat16 unless asked (--dtype 
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -28,12 +26,10 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_throughput import make_checkpoint  # noqa: E402
+from one_call_forward import random_prompts, rounds_of  # noqa: E402
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.bench.interleave import run_interleaved  # noqa: E402
+from tokenmill import LLM  # noqa: E402
 from tokenmill.executor.layers import linear  # noqa: E402
-
-PARAMS = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
 
 
 def copies(llm: LLM) -> str:
@@ -44,25 +40,10 @@ def copies(llm: LLM) -> str:
 
 
 def compare(path: str | None, concurrency: int, rounds: int, vocab: int, dtype: str) -> dict:
-    rng = random.Random(concurrency)
-    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(32, 256))] for _ in range(max(8, 2 * concurrency))]
     llms = {"bfloat16 copies": LLM(path, dtype=dtype, max_num_seqs=concurrency)}
     with mock.patch.object(linear, "exactly_bfloat16", lambda w: False):  # as before the bfloat16 copies
         llms["float32 copies"] = LLM(path, dtype=dtype, max_num_seqs=concurrency)
-    kept = {name: copies(llm) for name, llm in llms.items()}
-    ratios, tpot = [], {name: [] for name in llms}
-    for r in range(rounds):
-        order = dict(reversed(llms.items())) if r % 2 else llms
-        turns = run_interleaved(order, prompts, PARAMS, 0.5)
-        tokens = {name: sum(len(o.outputs[0].token_ids) for o in t.outputs) for name, t in turns.items()}
-        rate = {name: tokens[name] / turns[name].seconds for name in turns}
-        for name, t in turns.items():
-            tpot[name].append(1e3 * statistics.median(t.time_per_output_token()))
-        outputs = {name: [o.outputs[0].token_ids for o in t.outputs] for name, t in turns.items()}
-        assert outputs["bfloat16 copies"] == outputs["float32 copies"], "the bfloat16 copies changed the outputs"
-        ratios.append(rate["bfloat16 copies"] / rate["float32 copies"])
-    return {"copies": kept["bfloat16 copies"], "ratio": statistics.median(ratios), "ratios": ratios,
-            **{f"tpot_ms {name}": statistics.median(v) for name, v in tpot.items()}}
+    return {"copies": copies(llms["bfloat16 copies"]), **rounds_of(llms, random_prompts(concurrency, vocab), rounds)}
 
 
 def main() -> None:

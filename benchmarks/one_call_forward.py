@@ -34,14 +34,17 @@ from tokenmill.bench.interleave import run_interleaved  # noqa: E402
 PARAMS = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
 
 
-def compare(path: str | None, concurrency: int, rounds: int, vocab: int) -> dict:
+def random_prompts(concurrency: int, vocab: int) -> list[list[int]]:
+    """2 x concurrency (at least 8) prompts of 32..256 random tokens."""
     rng = random.Random(concurrency)
-    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(32, 256))] for _ in range(max(8, 2 * concurrency))]
-    llms = {"one call": LLM(path, max_num_seqs=concurrency),
-            "modules": LLM(path, max_num_seqs=concurrency, enforce_eager=True)}
-    if llms["one call"].engine.runner.fused is None:
-        return {"skipped": "the model's layers do not run on one small-step kernel here"}
-    rows = llms["one call"].engine.runner.fused_rows
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(32, 256))] for _ in range(max(8, 2 * concurrency))]
+
+
+def rounds_of(llms: dict[str, LLM], prompts: list[list[int]], rounds: int) -> dict:
+    """The two engines taking turns over `prompts`, `rounds` times (the order turned each round):
+    the median of the first's output tokens/s over the second's, each round's, and each one's
+    median time per output token. Their outputs must be equal."""
+    first, second = llms
     ratios, tpot = [], {name: [] for name in llms}
     for r in range(rounds):
         order = dict(reversed(llms.items())) if r % 2 else llms
@@ -51,10 +54,19 @@ def compare(path: str | None, concurrency: int, rounds: int, vocab: int) -> dict
         for name, t in turns.items():
             tpot[name].append(1e3 * statistics.median(t.time_per_output_token()))
         outputs = {name: [o.outputs[0].token_ids for o in t.outputs] for name, t in turns.items()}
-        assert outputs["one call"] == outputs["modules"], "the one-call forward changed the outputs"
-        ratios.append(rate["one call"] / rate["modules"])
-    return {"rows": rows, "ratio": statistics.median(ratios), "ratios": ratios,
+        assert outputs[first] == outputs[second], f"{first} changed the outputs"
+        ratios.append(rate[first] / rate[second])
+    return {"ratio": statistics.median(ratios), "ratios": ratios,
             **{f"tpot_ms {name}": statistics.median(v) for name, v in tpot.items()}}
+
+
+def compare(path: str | None, concurrency: int, rounds: int, vocab: int) -> dict:
+    llms = {"one call": LLM(path, max_num_seqs=concurrency),
+            "modules": LLM(path, max_num_seqs=concurrency, enforce_eager=True)}
+    if llms["one call"].engine.runner.fused is None:
+        return {"skipped": "the model's layers do not run on one small-step kernel here"}
+    return {"rows": llms["one call"].engine.runner.fused_rows,
+            **rounds_of(llms, random_prompts(concurrency, vocab), rounds)}
 
 
 def main() -> None:
