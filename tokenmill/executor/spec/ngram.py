@@ -25,36 +25,38 @@ def propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
 
 
 def propose_batch(sequences: list[np.ndarray], min_n: int, max_n: int, ks: list[int]) -> list[list[int]]:
-    """`propose` for a batch of sequences at once: they are laid out as the rows of one
-    matrix (padded with -1, which no token equals), and every earlier position of every row
-    is matched against its row's last max_n tokens in a few array operations."""
-    lengths = np.array([len(t) for t in sequences], dtype=np.int64)
-    width = int(lengths.max())
-    rows = np.full((len(sequences), width), -1, dtype=np.int64)
-    for row, t in zip(rows, sequences):
-        row[:len(t)] = t
-    idx = np.arange(len(sequences))
-    # matched[b, e]: how many tokens ending at e equal row b's last tokens (e itself against
-    # the last one, e - 1 against the one before, ...), up to max_n
-    matched = np.zeros(rows.shape, dtype=np.int64)
-    alive = np.ones(rows.shape, dtype=bool)
-    for j in range(max_n):
-        back = lengths - 1 - j  # the position of row b's j-th token from its end
-        wanted = np.where(back >= 0, rows[idx, np.maximum(back, 0)], -2)  # -2: the row is too short
-        shifted = np.full(rows.shape, -1, dtype=np.int64)
-        shifted[:, j:] = rows[:, :width - j]  # shifted[b, e] = rows[b, e - j]
-        alive &= shifted == wanted[:, None]
-        if not alive.any():
-            break
-        matched += alive
-    matched[np.arange(width)[None, :] >= lengths[:, None] - 1] = 0  # the last token is no earlier occurrence
-    # the longest match, the latest of those
-    end = np.argmax(matched * width + np.arange(width)[None, :], axis=1)
-    best = matched[idx, end]
+    """`propose` for a batch of sequences at once, laid end to end in one array: the earlier
+    positions that hold a sequence's last token are found in one comparison, and only at
+    those are the max_n tokens ending there compared with the sequence's last ones, all in
+    one gather. (Matching every position of the sequences padded into a matrix, max_n times
+    over, took 0.1 ms a step for one request of 600 tokens on a 2-core CPU, a tenth of a
+    verifying step of the built-in model, and about 4 ms for 64 requests of 1,500.)"""
+    flat = sequences[0] if len(sequences) == 1 else np.concatenate(sequences)
+    lengths = np.fromiter((len(t) for t in sequences), dtype=np.int64, count=len(sequences))
+    ends = np.cumsum(lengths)  # one past each sequence's last token in `flat`
+    starts = ends - lengths
+    hit = flat == (flat[-1] if len(sequences) == 1 else np.repeat(flat[ends - 1], lengths))
+    hit[ends - 1] = False  # the last token is no earlier occurrence
+    at = np.flatnonzero(hit)  # where an earlier occurrence may end
+    row = np.searchsorted(ends, at, side="right")  # its sequence
+    j = np.arange(max_n)
+    back, tail = at[:, None] - j, (ends[row] - 1)[:, None] - j  # [candidates, max_n]
+    same = (back >= starts[row][:, None]) & (j < lengths[row][:, None])
+    same &= flat[np.maximum(back, 0)] == flat[np.maximum(tail, 0)]
+    matched = np.logical_and.accumulate(same, axis=1).sum(axis=1)  # tokens ending at `at` equal to the last ones
+    # each sequence's longest match, the latest of those
+    width = int(lengths.max()) + 1
+    score = matched * width + at - starts[row]
+    if len(sequences) == 1:
+        best = np.array([score.max() if len(score) else -1])
+    else:
+        best = np.full(len(sequences), -1, dtype=np.int64)
+        np.maximum.at(best, row, score)
     drafts = []
-    for b, k in enumerate(ks):
-        ok = k > 0 and best[b] >= max(min_n, 1) and lengths[b] >= min_n + 1
-        drafts.append(rows[b, end[b] + 1:min(end[b] + 1 + k, lengths[b])].tolist() if ok else [])
+    for k, found, start, length in zip(ks, best.tolist(), starts.tolist(), lengths.tolist()):
+        n, end = divmod(found, width) if found >= 0 else (0, 0)
+        ok = k > 0 and n >= max(min_n, 1) and length >= min_n + 1
+        drafts.append(flat[start + end + 1:start + min(end + 1 + k, length)].tolist() if ok else [])
     return drafts
 
 
