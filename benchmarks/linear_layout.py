@@ -19,7 +19,8 @@ speculative step: every layer packed; small ones plain through MKL up to PLAIN_R
 (what `Linear` does without the CPU kernels); and through `small_linear` (what it does).
 
 `--engine 1,4,16` then runs the built-in model's engine at those concurrencies with and
-without its small-step kernel (engines in one process taking turns, benchmarks/speculative.py's
+without its small-step kernel (and with `--engine-small-rows 16`, a third engine whose layers
+take it for up to 16 rows only) (engines in one process taking turns, benchmarks/speculative.py's
 completion prompts, greedy, 128 tokens each) and prints the output tokens/s and TPOT ratios,
 the median of `--engine-rounds` rounds, and whether the outputs were identical. The engine
 runs in its default dtype: bfloat16 where the CPU has AVX512-BF16, where the kernel is
@@ -41,7 +42,8 @@ from torch.nn import functional as F
 import tokenmill.executor.layers.linear as linear
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.layers.linear import (AMX_ROWS, PLAIN_ROWS, SMALL_BFLOAT16_WEIGHT, SMALL_FLOAT32_WEIGHT,
-                                              SMALL_ROWS, amx_linear_rows, pack_bf16_pairs, small_bfloat16_rows)
+                                              SMALL_ROWS, amx_linear_rows, pack_bf16_pairs, pack_small,
+                                              small_bfloat16_rows)
 
 # (out, in): built-in target, its draft, the 56M model of cpu_throughput.py
 SHAPES = {"target": [(512, 256), (256, 256), (1408, 256), (256, 704), (8192, 256)],
@@ -69,6 +71,9 @@ def main() -> None:
     parser.add_argument("--engine", type=lambda s: [int(x) for x in s.split(",")], default=[],
                         help="concurrencies of the engine A/B with and without small_linear (default: none)")
     parser.add_argument("--engine-rounds", type=int, default=4)
+    parser.add_argument("--engine-small-rows", type=int, default=None,
+                        help="with --engine: a further engine whose layers take small_linear up to this many rows "
+                        "(SMALL_ROWS for it), against the default")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,13 +87,15 @@ def main() -> None:
         for out_features, in_features in shapes:
             w = torch.randn(out_features, in_features)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            laid_out = pack_small(w)
             cells = []
             for m in args.rows:
                 x = torch.randn(m, in_features)
                 calls = max(20, 4000 // m)
                 a = best_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), calls)
                 b = best_us(lambda: F.linear(x, w), calls)
-                c = f" / {best_us(lambda: small(x, w), calls):.0f}" if small is not None and m <= SMALL_ROWS else ""
+                c = f" / {best_us(lambda: small(x, laid_out, None, out_features), calls):.0f}" \
+                    if small is not None and m <= SMALL_ROWS else ""
                 cells.append(f"{a:.0f} / {b:.0f}{c}")
             kept = f"plain too, up to {SMALL_ROWS} rows" if w.numel() < SMALL_FLOAT32_WEIGHT else "packed"
             print(f"| {model} | {out_features} x {in_features} | {kept} | " + " | ".join(cells) + " |", flush=True)
@@ -96,7 +103,7 @@ def main() -> None:
         bfloat16_table(kernels)
     whole_forwards(args.repeats, small is not None)
     if args.engine and small is not None:
-        engine_ab(args.engine, args.engine_rounds)
+        engine_ab(args.engine, args.engine_rounds, args.engine_small_rows)
 
 
 def bfloat16_table(kernels) -> None:
@@ -151,10 +158,14 @@ def forward_fn(llm, num_tokens: int):
 
 
 def without_small_linear(llm):
-    """`llm` as `Linear` runs without the CPU kernels: MKL's GEMM up to PLAIN_ROWS rows
-    (float32), oneDNN's packed call (bfloat16)."""
+    """`llm` as `Linear` runs without the CPU kernels: MKL's GEMM up to PLAIN_ROWS rows over a
+    plain float32 copy, oneDNN's packed call otherwise."""
     for module in llm.engine.runner.model.modules():
-        if isinstance(module, linear.Linear):
+        if isinstance(module, linear.Linear) and module.small_kernel is not None:
+            if getattr(module.small_kernel, "func", None) is load_cpu_kernels().small_linear:
+                # pack_small's [out / 16, in, 16] back to [out, in]; a bfloat16 copy is not kept then
+                plain = module.small.transpose(1, 2).reshape(-1, module.in_features)[:module.out_features]
+                module.small = plain.contiguous() if plain.dtype == torch.float32 else None
             module.small_kernel = None
     return llm
 
@@ -205,10 +216,11 @@ def without_amx(llm):
     return llm
 
 
-def engine_ab(concurrencies: list[int], rounds: int) -> None:
+def engine_ab(concurrencies: list[int], rounds: int, small_rows: int | None = None) -> None:
     """The engine with its small-step kernels against itself without them (float32: MKL up to
     PLAIN_ROWS rows; bfloat16: oneDNN's packed call), and, where the CPU has AMX, with
-    amx_linear against small_linear_bf16."""
+    amx_linear against small_linear_bf16. `small_rows`: also an engine built with SMALL_ROWS
+    set to it (the rows a float32 layer takes small_linear for, and so the one-call forward)."""
     from speculative import function_prompts, run, run_turns, split_files
 
     from tokenmill import LLM
@@ -219,6 +231,11 @@ def engine_ab(concurrencies: list[int], rounds: int) -> None:
     variants = {"none": without_small_linear, "small_linear": without_amx if amx else lambda llm: llm}
     if amx:
         variants["amx_linear"] = lambda llm: llm
+    rows = {}
+    if small_rows is not None:
+        name = f"{small_rows} rows"
+        rows[name] = small_rows
+        variants = {name: lambda llm: llm, **variants}
     names = list(variants)
     last = names[-1]
     print("\nthe engine, output tokens/s (median of rounds): " + ", ".join(names)
@@ -228,7 +245,13 @@ def engine_ab(concurrencies: list[int], rounds: int) -> None:
     print("|---|" + "---|" * (2 * len(names)))
     for c in concurrencies:
         batch = prompts[:max(2 * c, 8)]
-        llms = {name: make(LLM(None, dtype="auto", max_num_seqs=c)) for name, make in variants.items()}
+        llms = {}
+        for name, make in variants.items():
+            default, linear.SMALL_ROWS = linear.SMALL_ROWS, rows.get(name, linear.SMALL_ROWS)
+            try:
+                llms[name] = make(LLM(None, dtype="auto", max_num_seqs=c))
+            finally:
+                linear.SMALL_ROWS = default
         for llm in llms.values():
             run(llm, batch[:2])  # warm-up
         results = []

@@ -89,11 +89,16 @@ def test_adaptive_speculation_keeps_the_output_and_counts_its_choices(engines, a
     assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_the_step_cost_is_timed_where_the_linear_layers_change_paths(adaptive):
+def test_the_step_cost_is_timed_where_the_linear_layers_change_paths():
     """Past its small_rows rows a linear layer leaves its small-step kernel for the packed
     weight (SMALL_ROWS in float32), and the step leaves the one-call forward: the start-up
-    timing has a point on each side, so a step of SMALL_ROWS + 1 tokens is priced as timed."""
+    timing has a point on each side, so a step of SMALL_ROWS + 1 tokens is priced as timed.
+    (The timing's steps go as far as the cache has blocks, one a sequence: a cache of
+    2 x SMALL_ROWS blocks at least.)"""
     from tokenmill.executor.layers.linear import SMALL_ROWS, Linear
+    block_bytes = 6 * 2 * 2 * 64 * 4 * 16  # the built-in model's layers, K and V, kv heads, head dim, float32, block
+    adaptive = LLM(dtype="float32", kv_cache_memory=(2 * SMALL_ROWS + 8) * block_bytes,
+                   max_num_batched_tokens=max(2048, 2 * SMALL_ROWS), speculative_config={**SPEC, "adaptive": True})
     runner = adaptive.engine.runner
     changes = {m.small_rows + 1 for m in runner.model.modules() if isinstance(m, Linear) and m.small is not None}
     assert changes == {SMALL_ROWS + 1}  # (float32: every small layer's)

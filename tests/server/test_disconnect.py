@@ -21,7 +21,7 @@ from tests.server.test_load_and_metrics import finished
 ], ids=["completions", "chat"])
 def test_non_streamed_disconnect_is_aborted_quietly(server, caplog, path, body):
     before = server.wait_idle()
-    payload = json.dumps({**body, "max_tokens": 200, "ignore_eos": True, "stream": False}).encode()
+    payload = json.dumps({**body, "max_tokens": 230, "ignore_eos": True, "stream": False}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     # uvicorn's loggers do not propagate to the root logger, where caplog listens: listen there too
     uvicorn_logger = logging.getLogger("uvicorn")
@@ -35,7 +35,9 @@ def test_non_streamed_disconnect_is_aborted_quietly(server, caplog, path, body):
                 while server.metrics()["tokenmill:num_requests_running"] < 1 and time.time() < deadline:
                     time.sleep(0.01)
                 assert server.metrics()["tokenmill:num_requests_running"] == 1
-                time.sleep(0.2)  # generating: the answer is not ready when the connection closes
+                # generating: the answer is not ready when the connection closes (the built-in model decodes
+                # 1,000-1,500 tokens a second alone on a 2-core CPU: 200 tokens were done within 0.2 s)
+                time.sleep(0.05)
             after = server.wait_idle(timeout=10)
             time.sleep(0.2)  # the handler finishes after the engine went idle
             gc.collect()  # an unretrieved task exception is reported when the task is collected
@@ -48,7 +50,7 @@ def test_non_streamed_disconnect_is_aborted_quietly(server, caplog, path, body):
     assert not noisy, [f"{r.name}: {r.getMessage()} {r.exc_info and r.exc_info[1]!r}" for r in noisy]
     # the request was aborted, not finished, and every KV block came back
     assert finished(after, "abort") - finished(before, "abort") == 1
-    assert after["tokenmill:generation_tokens_total"] - before["tokenmill:generation_tokens_total"] < 200
+    assert after["tokenmill:generation_tokens_total"] - before["tokenmill:generation_tokens_total"] < 230
     assert after["tokenmill:kv_cache_usage_perc"] == 0.0
     kv = server.engine.engine.kv_cache
     kv.check_integrity()

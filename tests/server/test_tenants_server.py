@@ -113,7 +113,8 @@ def test_concurrency_limit_refuses_the_second_request_in_flight(srv):
     result: dict[str, int] = {}
 
     def long_stream() -> None:
-        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 30, "ignore_eos": True, "stream": True}
+        # (200 tokens: 30 had all come, at a millisecond a token or less, before the second request)
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer sk-single"}) as r:
             result["status"] = r.status_code

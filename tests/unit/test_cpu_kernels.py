@@ -80,13 +80,15 @@ def test_argmax_rows_first_index_on_ties(kernels, dtype):
 
 @pytest.fixture(scope="module")
 def small_linear(kernels):
+    """The kernel, called with an [out, in] weight (laid out by pack_small here)."""
+    from tokenmill.executor.layers.linear import pack_small
     if not kernels.has_small_linear:
         pytest.skip("small_linear needs AVX2 and FMA")
-    return kernels.small_linear
+    return lambda x, w, b=None: kernels.small_linear(x, pack_small(w), b, len(w))
 
 
-@pytest.mark.parametrize("rows", [*range(1, 10), 16, 21])  # past 8: passes of 8 rows
-@pytest.mark.parametrize("out_features, in_features", [(512, 256), (37, 70), (130, 8), (5, 3)])
+@pytest.mark.parametrize("rows", [*range(1, 10), 16, 21])  # past 6: passes of 6 rows
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (37, 70), (130, 8), (5, 3), (200, 1)])
 def test_small_linear_against_float64(small_linear, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows)
     # every other row of a wider tensor: rows with a stride, an input not a multiple of 8
@@ -109,7 +111,8 @@ def test_small_linear_rows_do_not_depend_on_each_other(small_linear):
         assert torch.equal(small_linear(x[:rows], w), alone[:rows])
 
 
-def test_small_linear_refuses_what_it_does_not_run(small_linear):
+def test_small_linear_refuses_what_it_does_not_run(small_linear, kernels):
+    from tokenmill.executor.layers.linear import pack_small
     w = torch.randn(16, 32)
     with pytest.raises(RuntimeError, match="at least one row"):
         small_linear(torch.randn(0, 32), w)
@@ -117,6 +120,10 @@ def test_small_linear_refuses_what_it_does_not_run(small_linear):
         small_linear(torch.randn(2, 32, dtype=torch.bfloat16), w.bfloat16())
     with pytest.raises(RuntimeError, match="x \\[rows, in\\]"):
         small_linear(torch.randn(2, 31), w)
+    with pytest.raises(RuntimeError, match="x \\[rows, in\\]"):
+        kernels.small_linear(torch.randn(2, 32), w, None, 16)  # not laid out
+    with pytest.raises(RuntimeError, match="out \\(17\\) within the weight's 1 blocks"):
+        kernels.small_linear(torch.randn(2, 32), pack_small(w), None, 17)
 
 
 def test_linear_runs_small_steps_through_small_linear(small_linear):
@@ -132,11 +139,12 @@ def test_linear_runs_small_steps_through_small_linear(small_linear):
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(b)
     layer.pack()
-    assert layer.small_kernel is small_linear
+    kernel = layer.small_kernel
+    assert kernel.func is load_cpu_kernels().small_linear and kernel.keywords == {"out": 128}
     calls = []
-    layer.small_kernel = lambda *args: calls.append(len(args[0])) or small_linear(*args)
+    layer.small_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
     with torch.inference_mode():
-        for rows in (1, SMALL_ROWS, SMALL_ROWS + 1, 40):
+        for rows in (1, SMALL_ROWS, SMALL_ROWS + 1, 2 * SMALL_ROWS):
             x = torch.randn(rows, 64, generator=g)
             assert torch.allclose(layer(x).double(), x.double() @ w.double().T + b.double(), atol=1e-4)
         assert layer(torch.randn(0, 64)).shape == (0, 128)  # no rows: not the kernel's (it refuses them)
@@ -145,8 +153,8 @@ def test_linear_runs_small_steps_through_small_linear(small_linear):
 
 def test_small_linear_widens_a_bfloat16_weight_exactly(small_linear):
     """A bfloat16 weight gives the output of its float32 values bit for bit (each value widened as
-    it is read), at 1-21 rows of a strided x, an input not a multiple of 8 (the tail), with and
-    without a bias."""
+    it is read), at 1-21 rows of a strided x, outputs not a multiple of 16, with and without a
+    bias."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(200, 703, generator=g).bfloat16()
     b = torch.randn(200, generator=g)
@@ -161,7 +169,7 @@ def test_a_float32_weight_of_bfloat16_values_keeps_its_small_copy_in_bfloat16(sm
     keeps its copy for small steps in bfloat16, up to twice the elements of a float32 copy (the
     built-in model's 8,192 x 256 LM head): its output is the float32 copy's bit for bit. One value
     off keeps float32, and past that size the packed weight alone."""
-    from tokenmill.executor.layers.linear import SMALL_FLOAT32_WEIGHT, Linear
+    from tokenmill.executor.layers.linear import SMALL_FLOAT32_WEIGHT, SMALL_ROWS, Linear
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN: layers stay plain")
     g = torch.Generator().manual_seed(4)
@@ -175,7 +183,8 @@ def test_a_float32_weight_of_bfloat16_values_keeps_its_small_copy_in_bfloat16(sm
     w = torch.randn(SMALL_FLOAT32_WEIGHT // 256, 256, generator=g).bfloat16().float()  # past the float32 copy's size
     x = torch.randn(16, 256, generator=g)
     half = layer(len(w), 256, w)
-    assert half.small.dtype == torch.bfloat16 and half.small_kernel is small_linear and half.small_rows == 16
+    assert half.small.dtype == torch.bfloat16 and half.small_kernel.func is load_cpu_kernels().small_linear
+    assert half.small_rows == SMALL_ROWS
     with torch.inference_mode():
         for rows in (1, 5, 16):
             assert torch.equal(half(x[:rows]), small_linear(x[:rows], w))

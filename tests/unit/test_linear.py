@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from tokenmill.executor.layers import linear
 from tokenmill.executor.layers.linear import PLAIN_ROWS, SMALL_FLOAT32_WEIGHT, Linear
 
 
@@ -28,12 +29,14 @@ def packed_layer(out_features: int, in_features: int, bias: bool, dtype=torch.fl
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, PLAIN_ROWS, PLAIN_ROWS + 1, 64])
-def test_small_float32_layers_keep_a_plain_copy_for_few_rows(rows, bias):
+def test_small_float32_layers_keep_a_plain_copy_for_few_rows(rows, bias, monkeypatch):
     layer, weight = packed_layer(256, 128, bias)
     assert layer.packed is not None and layer.small is not None and layer.weight.numel() == 0
     x = torch.randn(rows, 128)
     assert torch.allclose(layer(x), F.linear(x, weight, layer.bias), atol=1e-5, rtol=1e-5)
-    layer.small_kernel = None  # as without the CPU kernels
+    monkeypatch.setattr(linear, "load_cpu_kernels", lambda: None)  # as where the kernels do not build
+    layer, weight = packed_layer(256, 128, bias)
+    assert layer.small_kernel is None and torch.equal(layer.small, weight)
     assert torch.allclose(layer(x), F.linear(x, weight, layer.bias), atol=1e-5, rtol=1e-5)
     if rows <= PLAIN_ROWS:  # the plain copy's path: exactly F.linear
         assert torch.equal(layer(x), F.linear(x, weight, layer.bias))

@@ -68,9 +68,12 @@ def linear_time_split(llm: LLM, requests: list[BenchRequest]) -> dict[str, float
     """One run of the requests with a timer around every linear layer: seconds in the decoder
     layers' linears, in the LM head, and in everything else (attention, norms, sampling, the
     step's Python), for an Amdahl bound on what faster linears can give. The CPU runs ops
-    as they are called, so the timers see each layer's whole cost."""
+    as they are called, so the timers see each layer's whole cost. The one-call forward
+    (executor/fused_decoder.py), whose layers are not the modules, is off for the run."""
     from tokenmill.executor.layers.linear import Linear
 
+    runner = llm.engine.runner
+    fused, runner.fused = runner.fused, None
     seconds = {"layers": 0.0, "lm_head": 0.0}
     timed = []
     for name, module in llm.engine.runner.model.named_modules():
@@ -90,4 +93,5 @@ def linear_time_split(llm: LLM, requests: list[BenchRequest]) -> dict[str, float
     finally:
         for module in timed:
             del module.forward  # back to the class's forward
+        runner.fused = fused
     return {**seconds, "rest": elapsed - seconds["layers"] - seconds["lm_head"], "total": elapsed}

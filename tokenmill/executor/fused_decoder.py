@@ -38,15 +38,13 @@ from tokenmill.executor.spec.vocab import DraftVocab
 
 
 def _rows(linear: Linear, kernels: ModuleType) -> tuple[int, bool]:
-    """(the most rows `linear` runs on amx_linear or small_linear, whether small_linear's: a plain
-    float32 weight); 0 rows where it runs on neither, or has a bias or a method."""
+    """(the most rows `linear` runs on amx_linear or small_linear, whether small_linear's: a float32
+    weight, or a bfloat16 one of float32 x); 0 rows where it runs on neither, or has a bias or a method."""
     kernel = linear.small_kernel
     if linear.quant_method is not None or linear.bias is not None or kernel is None:
         return 0, False
-    if kernel is kernels.small_linear:
-        return linear.small_rows, True
-    if isinstance(kernel, partial) and kernel.func is kernels.amx_linear:
-        return linear.small_rows, False
+    if isinstance(kernel, partial) and kernel.func in (kernels.small_linear, kernels.amx_linear):
+        return linear.small_rows, kernel.func is kernels.small_linear
     return 0, False
 
 

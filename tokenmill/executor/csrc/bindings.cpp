@@ -17,7 +17,7 @@ bool has_small_linear();
 bool has_small_linear_bf16();
 torch::Tensor small_linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                                 int64_t out);
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out);
 bool has_amx_linear();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out);
 torch::Tensor amx_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
@@ -44,9 +44,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of the largest value of each row (first on ties)");
   m.attr("has_small_linear") = has_small_linear();
   m.def("small_linear", &small_linear,
-        "x W^T (+ b), float32 (the weight float32, or bfloat16 widened exactly), for a few rows of x, 8 a pass "
-        "(AVX2 + FMA)",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+        "x W^T (+ b), float32 (the weight float32, or bfloat16 widened exactly), for a few rows of x, 6 a pass, "
+        "W laid out by pack_small (AVX2 + FMA)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"));
   m.attr("has_small_linear_bf16") = has_small_linear_bf16();
   m.def("small_linear_bf16", &small_linear_bf16,
         "x W^T (+ b), bfloat16, for 1 to 16 rows of x, W laid out by pack_bf16_pairs (AVX512-BF16)", py::arg("x"),

@@ -29,15 +29,15 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                             torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size, double scale,
                             c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out);
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out);
 torch::Tensor argmax_rows(torch::Tensor logits);
 
 namespace py = pybind11;
 
 namespace {
 
-// a decoder layer's weights: the norms' plain, the linears' laid out by pack_bf16_pairs (or plain
-// float32 [out, in] for small_linear); its caches. No input norm in an EAGLE head's layer
+// a decoder layer's weights: the norms' plain, the linears' laid out by pack_bf16_pairs for
+// amx_linear (or by pack_small for small_linear); its caches. No input norm in an EAGLE head's layer
 struct SmallLayer {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache;
 };
@@ -51,7 +51,7 @@ struct SmallLlama {
   // logit (a token map), if any: small_llama_draft's argmax
   torch::Tensor head, head_ids;
   int64_t head_out = 0;
-  bool plain = false;  // the linears' weights are float32 [out, in] for small_linear, not amx_linear's layout
+  bool plain = false;  // the linears' weights are small_linear's (float32 x), not amx_linear's
   // an EAGLE head's [hidden, 2 x hidden] map of (embedding, features) to its layer's input; such a
   // model has no final norm (final_norm undefined): its output is the layer's plus the residual
   torch::Tensor fc;
@@ -59,7 +59,7 @@ struct SmallLlama {
 
 // y = x W^T, `out` columns, on the model's linear kernel
 torch::Tensor linear(const SmallLlama& m, const torch::Tensor& x, const torch::Tensor& w, int64_t out) {
-  return m.plain ? small_linear(x, w, c10::nullopt) : amx_linear(x, w, c10::nullopt, out);
+  return m.plain ? small_linear(x, w, c10::nullopt, out) : amx_linear(x, w, c10::nullopt, out);
 }
 
 // LlamaForCausalLM.forward of n rows (ids, positions [n] int64), row i attending over block_table[i]
@@ -225,6 +225,9 @@ std::vector<std::vector<int64_t>> small_draft_chain(const SmallLlama& m, const s
 
 }  // namespace
 
+// The forwards release the GIL while they run (a step's whole forward, 0.2-10 ms, as torch's own
+// ops release it): a server's event loop keeps answering and streaming while the engine's thread
+// is in the call
 void bind_small_decode(py::module& m) {
   py::class_<SmallLayer>(m, "SmallLayer")
       .def(py::init([](c10::optional<torch::Tensor> input_norm, torch::Tensor qkv, torch::Tensor o,
@@ -265,20 +268,24 @@ void bind_small_decode(py::module& m) {
         "a small Llama's decode forward, one token a request, in one call (amx_linear layers and a bf16 cache, or "
         "small_linear ones and a float32 cache)",
         py::arg("model"), py::arg("ids"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_table"),
-        py::arg("seq_lens"), py::arg("block_size"), py::arg("features") = py::none());
+        py::arg("seq_lens"), py::arg("block_size"), py::arg("features") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("small_llama_draft", &small_llama_draft,
         "small_llama_decode (slots and lengths from the positions), then the argmax of the model's head at the "
         "given rows, as token ids",
         py::arg("model"), py::arg("ids"), py::arg("positions"), py::arg("block_table"), py::arg("block_size"),
-        py::arg("rows") = py::none());
+        py::arg("rows") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("small_eagle_draft", &small_eagle_draft,
         "an EAGLE head's small_llama_draft over the given features: the drafts at the given rows and the head's "
         "outputs there",
         py::arg("model"), py::arg("ids"), py::arg("features"), py::arg("positions"), py::arg("block_table"),
-        py::arg("block_size"), py::arg("rows") = py::none());
+        py::arg("block_size"), py::arg("rows") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("small_draft_chain", &small_draft_chain,
         "a step's later drafts in one call (small_llama_draft's or small_eagle_draft's forwards, one after another): "
         "each request's drafts after its first",
         py::arg("model"), py::arg("firsts"), py::arg("positions"), py::arg("block_table"), py::arg("block_size"),
-        py::arg("ks"), py::arg("features") = py::none());
+        py::arg("ks"), py::arg("features") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
 }

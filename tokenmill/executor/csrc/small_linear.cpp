@@ -1,19 +1,27 @@
 // y = x W^T (+ b) for float32 steps of a few rows (decodes of a small batch, speculative
-// verification), AVX2 + FMA: each weight row is read once for up to 8 rows of x, which stay in
-// L1; more rows go by in passes of 8 over each thread's chunk of weight rows, which stays in
-// L1/L2 between them. MKL's GEMM costs about twice its one-row GEMV from two rows on, and
+// verification), AVX2 + FMA. MKL's GEMM costs about twice its one-row GEMV from two rows on, and
 // oneDNN's packed call carries about 30 us of overhead, at the built-in model's shapes
 // (benchmarks/linear_layout.py).
 //
-// Every output element is summed in the same order whatever the number of rows (8 lanes over
-// the input in order, then the lanes, then the tail), so a row's output does not depend on
-// the rows computed with it: a verified draft's row equals the decode that would have made it.
+// The weight is laid out once (pack_small in layers/linear.py) as [out / 16, in, 16]: for each
+// block of 16 outputs, each input holds the 16 outputs' weights. One x value, broadcast to every
+// lane, multiplies 16 outputs' weights at once, and each output stays in one lane of one register
+// over the whole input: no sums across lanes at the end (against an [out, in] weight, each output
+// ended in a sum of 8 lanes, which at an input of 256 cost as much as the products at one row and
+// half as much at five). Each output element is summed in the same order (input by input, one FMA
+// each) whatever the number of rows, so a row's output does not depend on the rows computed with
+// it: a verified draft's row equals the decode that would have made it. Up to 6 rows of x go
+// against the weights a pass (4 blocks of 16 outputs against one row, 2 against two, 1 against
+// 3-6: the accumulators within the 16 registers); more rows go by in passes over each thread's
+// chunk of weights, which stays in L1/L2 between them.
 //
 // The weight may be bfloat16 (x and y stay float32): a float32 weight whose every value is a
-// bfloat16 one (a bfloat16 checkpoint served in float32, as on a CPU without AVX512-BF16) is
-// kept so (layers/linear.py), and each value is widened exactly as it is loaded, so the output
-// is the float32 weight's bit for bit, from half the bytes: a decode step of a small model reads
-// each weight once, from memory where the weights outgrow the cache.
+// bfloat16 one (a bfloat16 checkpoint served in float32, as on a CPU without AVX512-BF16) is kept
+// so (layers/linear.py), and each value is widened exactly as it is loaded (its bits in the top
+// half of a float32 lane: one in-lane unpack for 8 values, which is why a bfloat16 block keeps its
+// 16 outputs in the order that unpack wants), so the output is the float32 weight's bit for bit,
+// from half the bytes: a decode step of a small model reads each weight once, from memory where
+// the weights outgrow the cache.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -23,84 +31,88 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 8;  // rows of x a pass
-constexpr int64_t CHUNK = 32;  // weight rows a thread takes at a time
+constexpr int64_t MAX_ROWS = 6;  // rows of x a pass
+constexpr int64_t CHUNK = 4;  // blocks of 16 outputs a thread takes at a time
 
-// 8 weights as float32: loaded, or bfloat16 ones widened exactly (their bits, 16 places up)
-inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 load8(const at::BFloat16* w) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// a block's 16 weights at one input as two vectors of 8 float32: outputs 0-7 and 8-15. Bfloat16
+// ones are laid out [0-3, 8-11, 4-7, 12-15] (pack_small), so that interleaving each 128-bit lane's
+// halves with zeros widens them in place
+inline void load16(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+inline void load16(const at::BFloat16* w, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-// s + the dot product of the n (< 8) inputs past the last 8 with their weights, in one function for
-// either weight type: under -ffast-math the compiler may order a loop's sums as it likes, and did
-// so differently for the two types' loops
-__attribute__((noinline)) float tail(float s, const float* w, const float* x, int64_t n) {
-  for (int64_t j = 0; j < n; j++) s += w[j] * x[j];
-  return s;
-}
-inline const float* tail_weights(const float* w, int64_t, float*) { return w; }
-inline const float* tail_weights(const at::BFloat16* w, int64_t n, float* widened) {
-  for (int64_t j = 0; j < n; j++) widened[j] = static_cast<float>(w[j]);
-  return widened;
+inline void store8(__m256 v, const float* bias, float* y, int64_t o, int64_t out) {
+  if (o + 8 <= out) {
+    if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + o));
+    _mm256_storeu_ps(y + o, v);
+    return;
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (int64_t j = 0; o + j < out; j++) y[o + j] = bias != nullptr ? lanes[j] + bias[o + j] : lanes[j];
 }
 
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// output columns [o0, o1), R weight rows at a time against the M rows of x
-template <int M, int R, typename W>
-void columns(const float* x, int64_t x_stride, const W* w, int64_t in, const float* bias, float* y, int64_t out,
-             int64_t o0, int64_t o1) {
-  int64_t o = o0;
-  for (; o + R <= o1; o += R) {
-    __m256 acc[R][M];
-    for (int r = 0; r < R; r++)
-      for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= in; i += 8) {
-      __m256 wv[R];
-      for (int r = 0; r < R; r++) wv[r] = load8(w + (o + r) * in + i);
+// M rows of x against the B blocks of 16 outputs from block b0
+template <int M, int B, typename W>
+void tile(const float* x, int64_t x_stride, const W* w, int64_t in, const float* bias, float* y, int64_t out,
+          int64_t b0) {
+  __m256 acc[2 * B][M];
+#pragma GCC unroll 16
+  for (int j = 0; j < 2 * B; j++)
+#pragma GCC unroll 16
+    for (int m = 0; m < M; m++) acc[j][m] = _mm256_setzero_ps();
+  const W* wb = w + b0 * in * 16;
+  for (int64_t i = 0; i < in; i++) {
+#pragma GCC unroll 16
+    for (int b = 0; b < B; b++) {
+      __m256 lo, hi;
+      load16(wb + (b * in + i) * 16, lo, hi);
+#pragma GCC unroll 16
       for (int m = 0; m < M; m++) {
-        const __m256 xv = _mm256_loadu_ps(x + m * x_stride + i);
-        for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
-      }
-    }
-    for (int r = 0; r < R; r++) {
-      float widened[8];
-      const float* wt = tail_weights(w + (o + r) * in + i, in - i, widened);
-      for (int m = 0; m < M; m++) {
-        const float s = tail(sum_lanes(acc[r][m]), wt, x + m * x_stride + i, in - i);
-        y[m * out + o + r] = bias != nullptr ? s + bias[o + r] : s;
+        const __m256 xv = _mm256_broadcast_ss(x + m * x_stride + i);
+        acc[2 * b][m] = _mm256_fmadd_ps(lo, xv, acc[2 * b][m]);
+        acc[2 * b + 1][m] = _mm256_fmadd_ps(hi, xv, acc[2 * b + 1][m]);
       }
     }
   }
-  if (o < o1) columns<M, 1, W>(x, x_stride, w, in, bias, y, out, o, o1);
+#pragma GCC unroll 16
+  for (int j = 0; j < 2 * B; j++)
+#pragma GCC unroll 16
+    for (int m = 0; m < M; m++) store8(acc[j][m], bias, y + m * out, b0 * 16 + j * 8, out);
 }
 
-// the rows of x against output columns [o0, o1), up to MAX_ROWS rows a pass
+// M rows of x against blocks [b0, b1), B at a time
+template <int M, int B, typename W>
+void blocks(const float* x, int64_t x_stride, const W* w, int64_t in, const float* bias, float* y, int64_t out,
+            int64_t b0, int64_t b1) {
+  int64_t b = b0;
+  for (; b + B <= b1; b += B) tile<M, B, W>(x, x_stride, w, in, bias, y, out, b);
+  for (; b < b1; b++) tile<M, 1, W>(x, x_stride, w, in, bias, y, out, b);
+}
+
+// the rows of x against blocks [b0, b1), up to MAX_ROWS rows a pass
 template <typename W>
 void rows_against(const float* x, int64_t x_stride, int64_t rows, const W* w, int64_t in, const float* bias,
-                  float* y, int64_t out, int64_t o0, int64_t o1) {
+                  float* y, int64_t out, int64_t b0, int64_t b1) {
   for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
     const float* xr = x + r0 * x_stride;
     float* yr = y + r0 * out;
-    // accumulators R x M, R weight vectors and an x one within the 16 registers: the more of both,
-    // the fewer loads an FMA (5 rows: 1.2 with one weight row at a time, 0.7 with two)
+    // accumulators (2B x M), a block's two weight vectors, an x one and a zero within the 16
+    // registers; past 12 accumulators the compiler spilled some in the loop
     switch (std::min(MAX_ROWS, rows - r0)) {
-      case 1: columns<1, 4, W>(xr, x_stride, w, in, bias, yr, out, o0, o1); break;
-      case 2: columns<2, 4, W>(xr, x_stride, w, in, bias, yr, out, o0, o1); break;
-      case 3: columns<3, 3, W>(xr, x_stride, w, in, bias, yr, out, o0, o1); break;
-      case 4: columns<4, 3, W>(xr, x_stride, w, in, bias, yr, out, o0, o1); break;
-      case 5: columns<5, 2, W>(xr, x_stride, w, in, bias, yr, out, o0, o1); break;
-      case 6: columns<6, 2, W>(xr, x_stride, w, in, bias, yr, out, o0, o1); break;
-      case 7: columns<7, 1, W>(xr, x_stride, w, in, bias, yr, out, o0, o1); break;
-      default: columns<8, 1, W>(xr, x_stride, w, in, bias, yr, out, o0, o1); break;
+      case 1: blocks<1, 4, W>(xr, x_stride, w, in, bias, yr, out, b0, b1); break;
+      case 2: blocks<2, 2, W>(xr, x_stride, w, in, bias, yr, out, b0, b1); break;
+      case 3: blocks<3, 1, W>(xr, x_stride, w, in, bias, yr, out, b0, b1); break;
+      case 4: blocks<4, 1, W>(xr, x_stride, w, in, bias, yr, out, b0, b1); break;
+      case 5: blocks<5, 1, W>(xr, x_stride, w, in, bias, yr, out, b0, b1); break;
+      default: blocks<6, 1, W>(xr, x_stride, w, in, bias, yr, out, b0, b1); break;
     }
   }
 }
@@ -109,37 +121,40 @@ void rows_against(const float* x, int64_t x_stride, int64_t rows, const W* w, in
 
 bool has_small_linear() { return true; }
 
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "small_linear: x [rows, in] and weight [out, in]");
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == 16 && x.size(1) == packed.size(1),
+              "small_linear: x [rows, in] and a weight laid out by pack_small [out / 16, in, 16]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat &&
-                  (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16),
+                  (packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16),
               "small_linear: float32 x, and a float32 or bfloat16 weight");
   TORCH_CHECK(x.size(0) >= 1, "small_linear: at least one row of x");
-  TORCH_CHECK(weight.is_contiguous(), "small_linear: a contiguous weight");
+  TORCH_CHECK(packed.is_contiguous(), "small_linear: a contiguous weight");
+  const int64_t num_blocks = packed.size(0);
+  TORCH_CHECK(out > 16 * (num_blocks - 1) && out <= 16 * num_blocks,
+              "small_linear: out (", out, ") within the weight's ", num_blocks, " blocks of 16 outputs");
   if (x.stride(1) != 1) x = x.contiguous();
   const float* b = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == weight.size(0),
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == out,
                 "small_linear: a contiguous float32 bias of out elements");
     b = bias->data_ptr<float>();
   }
-  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+  const int64_t rows = x.size(0), in = x.size(1);
   auto y = torch::empty({rows, out}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t s = x.stride(0);
-  const int64_t chunks = (out + CHUNK - 1) / CHUNK;
-  if (weight.scalar_type() == torch::kBFloat16) {
-    const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  const int64_t chunks = (num_blocks + CHUNK - 1) / CHUNK;
+  if (packed.scalar_type() == torch::kBFloat16) {
+    const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
 #pragma omp parallel for schedule(static) if (out * in >= 32768)
     for (int64_t c = 0; c < chunks; c++)
-      rows_against(xp, s, rows, wp, in, b, yp, out, c * CHUNK, std::min(out, (c + 1) * CHUNK));
+      rows_against(xp, s, rows, wp, in, b, yp, out, c * CHUNK, std::min(num_blocks, (c + 1) * CHUNK));
   } else {
-    const float* wp = weight.data_ptr<float>();
+    const float* wp = packed.data_ptr<float>();
 #pragma omp parallel for schedule(static) if (out * in >= 32768)
     for (int64_t c = 0; c < chunks; c++)
-      rows_against(xp, s, rows, wp, in, b, yp, out, c * CHUNK, std::min(out, (c + 1) * CHUNK));
+      rows_against(xp, s, rows, wp, in, b, yp, out, c * CHUNK, std::min(num_blocks, (c + 1) * CHUNK));
   }
   return y;
 }
@@ -148,7 +163,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
 
 bool has_small_linear() { return false; }
 
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t out) {
   TORCH_CHECK(false, "small_linear: built without AVX2 and FMA");
 }
 

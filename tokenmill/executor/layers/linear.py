@@ -20,24 +20,26 @@ from tokenmill.executor.cpu_kernels import load_cpu_kernels
 if TYPE_CHECKING:
     from tokenmill.executor.distributed.parallel import ColumnShard, RowShard
 
-# float32 weights with fewer elements than this (8 MB) also keep their plain copy, for steps
-# of at most SMALL_ROWS rows (decodes of a small batch, speculative verification): the CPU
-# kernels' small_linear reads each weight row once for up to 8 of them (AVX2; 1.6-3x faster
-# than the better of MKL's GEMM and oneDNN's packed call at the built-in model's shapes, by
-# benchmarks/linear_layout.py), in passes of 8 rows past 8: at 9-16 rows 0.35-0.9x oneDNN's
-# time at the built-in model's layers, 0.6-1.4x at the 56M model's (a 2-core AMD EPYC), and a
-# small model's steps of up to 16 tokens then run in one native call
-# (executor/fused_decoder.py), which is what decides at a few requests: the built-in model
-# decoded 12 requests at 1.27x the tokens/s it did with 8 rows here, and a step that verified
-# drafts of 4 requests past 8 tokens had cost 4.9 ms against 2.1 ms at 8. Without those kernels
-# MKL's GEMM runs the plain copy up to PLAIN_ROWS rows, where it beats oneDNN's packed layout
+# float32 weights with fewer elements than this (8 MB) also keep a copy laid out by pack_small, for
+# steps of at most SMALL_ROWS rows (decodes of a batch, speculative verification, short prompt
+# chunks): the CPU kernels' small_linear reads each weight once for up to 6 rows, in passes of 6
+# over a thread's chunk of weights past 6, and keeps each output in one lane (AVX2 + FMA). On a
+# 2-core AMD EPYC (AVX2, no AVX-512) it beat oneDNN's packed float32 call up to 256 rows at the
+# built-in and 56M models' shapes (benchmarks/linear_layout.py): 2-6x at one row, 1.2-1.7x at 64,
+# 1.1-1.25x at 256, where it runs near the FMA peak (the draft's 128 x 128 alone fell behind, at
+# 256 rows); a small model's steps of up to SMALL_ROWS tokens then also run in one native call
+# (executor/fused_decoder.py). The built-in model decoded 24 requests at 1.23x and 64 at 1.10x
+# the tokens/s it did with 16 rows (the limit before that layout). On CPUs with AVX-512, oneDNN's
+# float32 call has twice the vector width, and the old limit stays (not measured past it there).
+# Without the kernels MKL's GEMM runs a plain copy up to PLAIN_ROWS rows, where it beats
+# oneDNN's packed layout
 SMALL_FLOAT32_WEIGHT = 1 << 21
-SMALL_ROWS = 16
+SMALL_ROWS = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 256
 PLAIN_ROWS = 4
 # a float32 weight whose every value is a bfloat16 one (a bfloat16 checkpoint served in float32, as
 # on a CPU without AVX512-BF16) keeps that copy in bfloat16, which small_linear widens exactly as it
 # reads it: the same output bit for bit from half the bytes, and up to twice the elements in the
-# same 8 MB (the built-in model's 8,192 x 256 LM head)
+# same 8 MB (the built-in model's 8,192 x 256 LM head).
 
 
 # bfloat16 weights with fewer elements than this (8 MB), with the CPU kernels' small_linear_bf16
@@ -110,6 +112,20 @@ def pack_bf16_pairs(w: torch.Tensor) -> torch.Tensor:
     return w.view(w.shape[0] // 16, 16, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
+def pack_small(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 16, in, 16], zero-padded: for each block of 16 outputs and each input,
+    the 16 outputs' weights (what small_linear reads); a bfloat16 block's in the order [0-3, 8-11,
+    4-7, 12-15], which an in-lane unpack widens to outputs 0-7 and 8-15."""
+    out_features, in_features = w.shape
+    w = F.pad(w, (0, 0, 0, -out_features % 16)).view(-1, 16, in_features)
+    if w.dtype == torch.bfloat16:
+        w = w[:, BFLOAT16_LANES]
+    return w.transpose(1, 2).contiguous()
+
+
+BFLOAT16_LANES = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+
+
 def pack_int8_quads(w: torch.Tensor) -> torch.Tensor:
     """int8 [out, in] (in a multiple of 4) -> [out / 16, in / 4, 16, 4], zero-padded: for each block
     of 16 outputs and four inputs, the 16 outputs' four weights (what amx_int8_linear reads)."""
@@ -139,7 +155,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
         self.packed: torch.Tensor | None = None
         # the weight kept beside the packed one for steps of at most small_rows rows: a float32
-        # one plain, a bfloat16 one laid out by pack_bf16_pairs; small_kernel: the CPU kernel for it
+        # one laid out by pack_small (plain where small_linear is missing), a bfloat16 one by
+        # pack_bf16_pairs; small_kernel: the CPU kernel for it
         self.small: torch.Tensor | None = None
         self.small_kernel = None
         self.small_rows = SMALL_ROWS
@@ -152,9 +169,10 @@ class Linear(nn.Module):
             return self.quant_method.apply(self, x)
         if self.packed is not None:
             if self.small is not None and x.shape[0] <= self.small_rows:
-                if self.small_kernel is not None and x.dim() == 2 and x.shape[0] > 0:
-                    return self.small_kernel(x, self.small, self.bias)
-                if x.shape[0] <= PLAIN_ROWS and self.small.dtype == torch.float32:
+                if self.small_kernel is not None:
+                    if x.dim() == 2 and x.shape[0] > 0:
+                        return self.small_kernel(x, self.small, self.bias)
+                elif x.shape[0] <= PLAIN_ROWS and self.small.dtype == torch.float32:
                     return F.linear(x, self.small, self.bias)
             rows = x.shape[0]
             padded = packed_rows(rows) if x.dim() == 2 else rows
@@ -190,12 +208,13 @@ class Linear(nn.Module):
             kernels = load_cpu_kernels()
             if w.dtype == torch.float32 and kernels is not None and kernels.has_small_linear \
                     and w.numel() < 2 * SMALL_FLOAT32_WEIGHT and exactly_bfloat16(w):
-                self.small = w.detach().to(torch.bfloat16)
-                self.small_kernel = kernels.small_linear
+                self.small = pack_small(w.detach().to(torch.bfloat16))
+                self.small_kernel = partial(kernels.small_linear, out=self.out_features)
             elif w.dtype == torch.float32 and w.numel() < SMALL_FLOAT32_WEIGHT:
                 self.small = w.detach()
                 if kernels is not None and kernels.has_small_linear:
-                    self.small_kernel = kernels.small_linear
+                    self.small = pack_small(self.small)
+                    self.small_kernel = partial(kernels.small_linear, out=self.out_features)
             elif w.dtype == torch.bfloat16 and w.numel() < SMALL_BFLOAT16_WEIGHT and kernels is not None \
                     and kernels.has_small_linear_bf16:
                 self.small = pack_bf16_pairs(w.detach())
