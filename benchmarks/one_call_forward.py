@@ -4,7 +4,8 @@ running every step through the Python modules (`enforce_eager`), output tokens/s
     python benchmarks/one_call_forward.py [--concurrency 1,2,4,8] [--models builtin,56m] [--rounds 3]
 
 builtin  the built-in model (6 layers, hidden 256, vocab 8192), dtype auto: float32 on a CPU
-         without native bfloat16 (every linear layer on small_linear, up to 8 rows a step),
+         without native bfloat16 (every linear layer on small_linear, up to SMALL_ROWS rows a
+         step: 256 without AVX-512),
          bfloat16 on one with AMX (amx_linear, up to 64 rows).
 56m      the 56M random Llama of cpu_throughput.py (8 layers, hidden 512, vocab 32000), dtype
          auto; its LM head runs apart from the call.

@@ -1,5 +1,5 @@
-// y = x W^T (+ b) for float32 steps of a few rows (decodes of a small batch, speculative
-// verification), AVX2 + FMA. MKL's GEMM costs about twice its one-row GEMV from two rows on, and
+// y = x W^T (+ b) for float32 steps of up to a few hundred rows (decodes, speculative
+// verification, short prompt chunks), AVX2 + FMA. MKL's GEMM costs about twice its one-row GEMV from two rows on, and
 // oneDNN's packed call carries about 30 us of overhead, at the built-in model's shapes
 // (benchmarks/linear_layout.py).
 //
@@ -130,7 +130,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
   TORCH_CHECK(x.size(0) >= 1, "small_linear: at least one row of x");
   TORCH_CHECK(packed.is_contiguous(), "small_linear: a contiguous weight");
   const int64_t num_blocks = packed.size(0);
-  TORCH_CHECK(out > 16 * (num_blocks - 1) && out <= 16 * num_blocks,
+  TORCH_CHECK(out >= 1 && (out + 15) / 16 == num_blocks,
               "small_linear: out (", out, ") within the weight's ", num_blocks, " blocks of 16 outputs");
   if (x.stride(1) != 1) x = x.contiguous();
   const float* b = nullptr;

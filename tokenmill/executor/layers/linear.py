@@ -186,11 +186,12 @@ class Linear(nn.Module):
         """Switches to oneDNN's packed layout once weights are loaded, on the CPU: 16-bit
         weights are 15-40% faster on small batches; float32 ones 1.3-1.5x faster end to
         end than MKL's GEMM on an AVX2 AMD CPU (the 56M model, 1 and 64 requests), up to
-        2.8x at the LM head's shape. Small float32 weights keep their plain copy too, for
-        steps of at most SMALL_ROWS rows (see SMALL_FLOAT32_WEIGHT): oneDNN's call costs
-        about 30 us more there, which at one row made a forward of the built-in model 11%
-        slower and of its draft 26% than MKL's GEMM (`benchmarks/linear_layout.py`); in
-        bfloat16 where every value is a bfloat16 one (see exactly_bfloat16).
+        2.8x at the LM head's shape. Small float32 weights keep a second copy too, for steps
+        of at most SMALL_ROWS rows (see SMALL_FLOAT32_WEIGHT): laid out by pack_small for
+        small_linear, or plain for MKL's GEMM without the kernels (oneDNN's call costs about
+        30 us more at one row, which made a forward of the built-in model 11% slower and of
+        its draft 26% than MKL's GEMM, `benchmarks/linear_layout.py`); in bfloat16 where
+        every value is a bfloat16 one (see exactly_bfloat16).
         Small bfloat16 weights keep a copy for small_linear_bf16, or amx_linear where the CPU
         has AMX (see SMALL_BFLOAT16_WEIGHT and AMX_ROWS).
         Otherwise the plain copy is dropped once packed. A quantized layer packs as its
