@@ -7,7 +7,8 @@ y = x W^T with x [rows, K] in the engine's dtype and W [N, K] int8 per output ch
 (symmetric); x is quantized per token (symmetric int8) inside every timed call, as the
 engine does, and y comes back in x's dtype:
 
-    dense       the engine's float layer (layers/linear.py: oneDNN's packed layout) in the engine's
+    dense       the engine's float layer (layers/linear.py: oneDNN's packed layout, and small_linear's
+                copy for small steps; on a CPU without AVX-512 small_linear's copy alone) in the engine's
                 dtype (bf16 where the CPU has it, else fp32): the baseline
     amx         the engine's W8A8 layer on CPUs with AMX, for inputs a multiple of 64: csrc/amx_linear.cpp's
                 amx_int8_linear (rows quantized, the int8 tile dot products, the rescale, in one op) up to

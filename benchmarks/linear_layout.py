@@ -3,11 +3,15 @@ plain (`F.linear`, MKL's GEMM) and the CPU kernels' `small_linear` (up to SMALL_
 the shapes of the built-in model, its draft and the 56M benchmark model, for decode-sized
 row counts:
 
-    python benchmarks/linear_layout.py [--threads 2] [--rows 1,2,4,8,16,64,256]
+    python benchmarks/linear_layout.py [--threads 2] [--rows 1,2,4,8,16,64,256] [--wide]
 
-Prints microseconds per call (best of 5 runs) and marks the layers that `Linear.pack` keeps
-plain as well as packed (fewer than SMALL_FLOAT32_WEIGHT elements), which run steps of up
-to SMALL_ROWS rows through `small_linear`. Where the CPU has AVX512-BF16, a second table does
+Prints microseconds per call (best of 5 runs) of weights whose values are bfloat16 ones (as a
+bfloat16 checkpoint served in float32), `small_linear` with a float32 copy and a bfloat16 one,
+and marks the layers that `Linear.pack` keeps plain as well as packed (fewer than
+SMALL_FLOAT32_WEIGHT elements), which run steps of up to SMALL_ROWS rows through
+`small_linear`; on a CPU without AVX-512 every float32 layer keeps small_linear's copy alone
+and runs every step on it (SMALL_ONLY), and the kernel's column covers every row count.
+`--wide` adds the wide model's shapes (hidden 2048). Where the CPU has AVX512-BF16, a second table does
 the same for bfloat16 weights: oneDNN's packed call against `small_linear_bf16` (up to 16 rows,
 the weight laid out by `pack_bf16_pairs`) and, where the CPU has AMX, `amx_linear` (up to
 AMX_ROWS rows, the same layout), at those shapes and at a wider model's (hidden 2048), with the
@@ -19,8 +23,9 @@ speculative step: every layer packed; small ones plain through MKL up to PLAIN_R
 (what `Linear` does without the CPU kernels); and through `small_linear` (what it does).
 
 `--engine 1,4,16` then runs the built-in model's engine at those concurrencies with and
-without its small-step kernel (and with `--engine-small-rows 16`, a third engine whose layers
-take it for up to 16 rows only) (engines in one process taking turns, benchmarks/speculative.py's
+without its small-step kernel (and with `--engine-small-rows 16`, an engine whose layers
+take it for up to 16 rows only; with SMALL_ONLY, one whose layers keep the packed weight for
+steps past SMALL_ROWS) (engines in one process taking turns, benchmarks/speculative.py's
 completion prompts, greedy, 128 tokens each) and prints the output tokens/s and TPOT ratios,
 the median of `--engine-rounds` rounds, and whether the outputs were identical. The engine
 runs in its default dtype: bfloat16 where the CPU has AVX512-BF16, where the kernel is
@@ -42,13 +47,15 @@ from torch.nn import functional as F
 import tokenmill.executor.layers.linear as linear
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
 from tokenmill.executor.layers.linear import (AMX_ROWS, PLAIN_ROWS, SMALL_BFLOAT16_WEIGHT, SMALL_FLOAT32_WEIGHT,
-                                              SMALL_ROWS, amx_linear_rows, pack_bf16_pairs, pack_small,
+                                              SMALL_ONLY, SMALL_ROWS, amx_linear_rows, pack_bf16_pairs, pack_small,
                                               small_bfloat16_rows)
 
 # (out, in): built-in target, its draft, the 56M model of cpu_throughput.py
 SHAPES = {"target": [(512, 256), (256, 256), (1408, 256), (256, 704), (8192, 256)],
           "draft": [(256, 128), (128, 128), (704, 128), (128, 352), (8192, 128)],
           "56m": [(1024, 512), (512, 512), (2816, 512), (512, 1408)]}
+# the wide model of the quantization issue (hidden 2048, intermediate 5632, 16 heads, 8 KV heads)
+WIDE = [(4096, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]
 
 
 def best_us(fn, calls: int) -> float:
@@ -73,21 +80,23 @@ def main() -> None:
     parser.add_argument("--engine-rounds", type=int, default=4)
     parser.add_argument("--engine-small-rows", type=int, default=None,
                         help="with --engine: a further engine whose layers take small_linear up to this many rows "
-                        "(SMALL_ROWS for it), against the default")
+                        "(SMALL_ROWS for it) and the packed weight past them, against the default")
+    parser.add_argument("--wide", action="store_true", help="the float32 table at the wide model's shapes too")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
     small = kernels.small_linear if kernels is not None and kernels.has_small_linear else None
-    print(f"{torch.get_num_threads()} threads; us per call, packed / plain" + (" / small_linear" if small else "")
-          + "\n")
+    print(f"{torch.get_num_threads()} threads; us per call, packed / plain"
+          + (" / small_linear, float32 copy / small_linear, bfloat16 copy" if small else "")
+          + " (weights of bfloat16 values, as a bfloat16 checkpoint served in float32)\n")
     print("| model | out x in | kept | " + " | ".join(f"{m} rows" for m in args.rows) + " |")
     print("|---|---|---|" + "---|" * len(args.rows))
-    for model, shapes in SHAPES.items():
+    for model, shapes in {**SHAPES, **({"wide": WIDE} if args.wide else {})}.items():
         for out_features, in_features in shapes:
-            w = torch.randn(out_features, in_features)
+            w = torch.randn(out_features, in_features).bfloat16().float()
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-            laid_out = pack_small(w)
+            laid_out, halved = pack_small(w), pack_small(w.bfloat16())
             cells = []
             for m in args.rows:
                 x = torch.randn(m, in_features)
@@ -95,9 +104,14 @@ def main() -> None:
                 a = best_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), calls)
                 b = best_us(lambda: F.linear(x, w), calls)
                 c = f" / {best_us(lambda: small(x, laid_out, None, out_features), calls):.0f}" \
-                    if small is not None and m <= SMALL_ROWS else ""
+                    f" / {best_us(lambda: small(x, halved, None, out_features), calls):.0f}" \
+                    if small is not None and (m <= SMALL_ROWS or SMALL_ONLY) else ""
                 cells.append(f"{a:.0f} / {b:.0f}{c}")
-            kept = f"plain too, up to {SMALL_ROWS} rows" if w.numel() < SMALL_FLOAT32_WEIGHT else "packed"
+            kept = "packed"
+            if small is not None and SMALL_ONLY:
+                kept = "small_linear's bfloat16 copy alone"
+            elif w.numel() < SMALL_FLOAT32_WEIGHT:
+                kept = f"plain too, up to {SMALL_ROWS} rows"
             print(f"| {model} | {out_features} x {in_features} | {kept} | " + " | ".join(cells) + " |", flush=True)
     if kernels is not None and kernels.has_small_linear_bf16:
         bfloat16_table(kernels)
@@ -115,7 +129,7 @@ def bfloat16_table(kernels) -> None:
           + " (* the rows Linear runs through a kernel)\n")
     print("| model | out x in | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("|---|---|" + "---|" * len(rows))
-    shapes = {**SHAPES, "wide": [(4096, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]}
+    shapes = {**SHAPES, "wide": WIDE}
     for model, pairs in shapes.items():
         for out_features, in_features in pairs:
             w = torch.randn(out_features, in_features, dtype=torch.bfloat16)
@@ -178,14 +192,16 @@ def whole_forwards(repeats: int, small: bool) -> None:
     llms = {}
     layouts = ["packed", "mkl"] + (["small_linear"] if small else [])
     for layout in layouts:
-        # read by Linear.pack when each model loads
+        # read by Linear.pack when each model loads (small_linear's copy alone: as the CPU has it)
         linear.SMALL_FLOAT32_WEIGHT = 0 if layout == "packed" else SMALL_FLOAT32_WEIGHT
+        linear.SMALL_ONLY = SMALL_ONLY if layout == "small_linear" else False
         for model, path in (("target", DEFAULT_MODEL_DIR), ("draft", DEFAULT_DRAFT_MODEL_DIR)):
             llm = LLM(str(path), dtype="float32", max_num_seqs=1, kv_cache_memory="64MiB")
             llms[model, layout] = without_small_linear(llm) if layout == "mkl" else llm
-    linear.SMALL_FLOAT32_WEIGHT = SMALL_FLOAT32_WEIGHT
+    linear.SMALL_FLOAT32_WEIGHT, linear.SMALL_ONLY = SMALL_FLOAT32_WEIGHT, SMALL_ONLY
     print(f"\nwhole forwards, ms (median of {repeats}): every layer packed / small ones plain through MKL up to "
-          f"{PLAIN_ROWS} rows" + (f" / small ones through small_linear up to {SMALL_ROWS} rows" if small else "")
+          f"{PLAIN_ROWS} rows" + ("" if not small else " / every layer on small_linear's copy alone" if SMALL_ONLY
+                                  else f" / small ones through small_linear up to {SMALL_ROWS} rows")
           + "\n")
     print("| model | 1 token | 2 tokens | 5 tokens | 8 tokens |\n|---|---|---|---|---|")
     for model in ("target", "draft"):
@@ -220,7 +236,9 @@ def engine_ab(concurrencies: list[int], rounds: int, small_rows: int | None = No
     """The engine with its small-step kernels against itself without them (float32: MKL up to
     PLAIN_ROWS rows; bfloat16: oneDNN's packed call), and, where the CPU has AMX, with
     amx_linear against small_linear_bf16. `small_rows`: also an engine built with SMALL_ROWS
-    set to it (the rows a float32 layer takes small_linear for, and so the one-call forward)."""
+    set to it (the rows a float32 layer takes small_linear for, and so the one-call forward) and
+    the packed weight past them. Where small_linear's copy is a float32 layer's only one
+    (SMALL_ONLY), also an engine whose layers keep the packed weight for steps past SMALL_ROWS."""
     from speculative import function_prompts, run, run_turns, split_files
 
     from tokenmill import LLM
@@ -231,10 +249,15 @@ def engine_ab(concurrencies: list[int], rounds: int, small_rows: int | None = No
     variants = {"none": without_small_linear, "small_linear": without_amx if amx else lambda llm: llm}
     if amx:
         variants["amx_linear"] = lambda llm: llm
-    rows = {}
+    # each engine's settings of layers/linear.py while it is built; the default's: as the CPU has them
+    settings = {"none": {"SMALL_ONLY": False}}
+    if SMALL_ONLY and not amx:
+        name = f"packed past {SMALL_ROWS} rows"
+        settings[name] = {"SMALL_ONLY": False}
+        variants = {name: lambda llm: llm, **variants}
     if small_rows is not None:
         name = f"{small_rows} rows"
-        rows[name] = small_rows
+        settings[name] = {"SMALL_ROWS": small_rows, "SMALL_ONLY": False}
         variants = {name: lambda llm: llm, **variants}
     names = list(variants)
     last = names[-1]
@@ -247,11 +270,14 @@ def engine_ab(concurrencies: list[int], rounds: int, small_rows: int | None = No
         batch = prompts[:max(2 * c, 8)]
         llms = {}
         for name, make in variants.items():
-            default, linear.SMALL_ROWS = linear.SMALL_ROWS, rows.get(name, linear.SMALL_ROWS)
+            defaults = {key: getattr(linear, key) for key in settings.get(name, {})}
+            for key, value in settings.get(name, {}).items():
+                setattr(linear, key, value)
             try:
                 llms[name] = make(LLM(None, dtype="auto", max_num_seqs=c))
             finally:
-                linear.SMALL_ROWS = default
+                for key, value in defaults.items():
+                    setattr(linear, key, value)
         for llm in llms.values():
             run(llm, batch[:2])  # warm-up
         results = []

@@ -111,6 +111,19 @@ def test_small_linear_rows_do_not_depend_on_each_other(small_linear):
         assert torch.equal(small_linear(x[:rows], w), alone[:rows])
 
 
+@pytest.mark.parametrize("out_features", [40, 130])
+def test_small_linear_splits_the_rows_of_a_narrow_layer_exactly(small_linear, out_features):
+    """A layer of one or three chunks of outputs (64 each) splits a step of many rows between
+    the threads in groups of passes: each row's output is the one it has alone, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(301, 300, generator=g)
+    w = torch.randn(out_features, 300, generator=g)
+    b = torch.randn(out_features, generator=g)
+    y = small_linear(x, w, b)
+    assert torch.equal(y, torch.cat([small_linear(x[i:i + 1], w, b) for i in range(301)]))
+    assert torch.allclose(y.double(), x.double() @ w.double().T + b.double(), atol=1e-4, rtol=1e-5)
+
+
 def test_small_linear_refuses_what_it_does_not_run(small_linear, kernels):
     from tokenmill.executor.layers.linear import pack_small
     w = torch.randn(16, 32)
@@ -126,13 +139,17 @@ def test_small_linear_refuses_what_it_does_not_run(small_linear, kernels):
         kernels.small_linear(torch.randn(2, 32), pack_small(w), None, 17)
 
 
-def test_linear_runs_small_steps_through_small_linear(small_linear):
+@pytest.mark.parametrize("small_only", [False, True])
+def test_linear_runs_small_steps_through_small_linear(small_linear, small_only, monkeypatch):
     """A packed float32 layer keeps its plain weight for steps of up to SMALL_ROWS rows and
-    runs them through the kernel; larger steps take the packed weight. Both give the
+    runs them through the kernel; larger steps take the packed weight. Where that copy is the
+    only one (SMALL_ONLY: a CPU without AVX-512), every step takes the kernel. All give the
     layer's product."""
+    from tokenmill.executor.layers import linear
     from tokenmill.executor.layers.linear import SMALL_ROWS, Linear
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available() and not small_only:
         pytest.skip("no oneDNN: layers stay plain")
+    monkeypatch.setattr(linear, "SMALL_ONLY", small_only)
     g = torch.Generator().manual_seed(3)
     layer = Linear(64, {"a": 48, "b": 80}, bias=True)
     w, b = torch.randn(128, 64, generator=g), torch.randn(128, generator=g)
@@ -148,7 +165,12 @@ def test_linear_runs_small_steps_through_small_linear(small_linear):
             x = torch.randn(rows, 64, generator=g)
             assert torch.allclose(layer(x).double(), x.double() @ w.double().T + b.double(), atol=1e-4)
         assert layer(torch.randn(0, 64)).shape == (0, 128)  # no rows: not the kernel's (it refuses them)
-    assert calls == [1, SMALL_ROWS]
+        if small_only:  # any shape of rows
+            x = torch.randn(3, 5, 64, generator=g)
+            assert torch.equal(layer(x), kernel(x.view(15, 64), layer.small, layer.bias).view(3, 5, 128))
+            assert layer(torch.randn(2, 0, 64)).shape == (2, 0, 128)
+    assert (layer.packed is None) == small_only
+    assert calls == ([1, SMALL_ROWS, SMALL_ROWS + 1, 2 * SMALL_ROWS, 15] if small_only else [1, SMALL_ROWS])
 
 
 def test_small_linear_widens_a_bfloat16_weight_exactly(small_linear):
@@ -164,14 +186,19 @@ def test_small_linear_widens_a_bfloat16_weight_exactly(small_linear):
         assert torch.equal(small_linear(x[:rows], w, b), small_linear(x[:rows], w.float(), b))
 
 
-def test_a_float32_weight_of_bfloat16_values_keeps_its_small_copy_in_bfloat16(small_linear):
+@pytest.mark.parametrize("small_only", [False, True])
+def test_a_float32_weight_of_bfloat16_values_keeps_its_small_copy_in_bfloat16(small_linear, small_only,
+                                                                              monkeypatch):
     """A float32 layer whose values are all bfloat16 ones (a bfloat16 checkpoint served in float32)
     keeps its copy for small steps in bfloat16, up to twice the elements of a float32 copy (the
     built-in model's 8,192 x 256 LM head): its output is the float32 copy's bit for bit. One value
-    off keeps float32, and past that size the packed weight alone."""
+    off keeps float32, and past that size the packed weight alone. Where that copy is the only one
+    (SMALL_ONLY), every size keeps it, in bfloat16 where it can, and every step runs on it."""
+    from tokenmill.executor.layers import linear
     from tokenmill.executor.layers.linear import SMALL_FLOAT32_WEIGHT, SMALL_ROWS, Linear
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available() and not small_only:
         pytest.skip("no oneDNN: layers stay plain")
+    monkeypatch.setattr(linear, "SMALL_ONLY", small_only)
     g = torch.Generator().manual_seed(4)
 
     def layer(out: int, inputs: int, w: torch.Tensor) -> Linear:
@@ -192,7 +219,16 @@ def test_a_float32_weight_of_bfloat16_values_keeps_its_small_copy_in_bfloat16(sm
     off[7, 3] += off[7, 3].abs() * 2 ** -12  # between two bfloat16 values
     assert layer(1024, 256, off).small.dtype == torch.float32
     big = torch.randn(SMALL_FLOAT32_WEIGHT // 128, 256, generator=g).bfloat16().float()
-    assert layer(len(big), 256, big).small is None
+    if not small_only:
+        assert layer(len(big), 256, big).small is None
+        return
+    alone = layer(len(big), 256, big)
+    assert alone.packed is None and alone.small.dtype == torch.bfloat16 and alone.weight.numel() == 0
+    x = torch.randn(SMALL_ROWS + 50, 256, generator=g)
+    with torch.inference_mode():
+        assert torch.equal(alone(x), small_linear(x, big))
+    big[7, 3] += big[7, 3].abs() * 2 ** -12
+    assert layer(len(big), 256, big).small.dtype == torch.float32
 
 
 @pytest.fixture(scope="module")

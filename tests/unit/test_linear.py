@@ -1,7 +1,8 @@
 """Linear layers on the CPU: oneDNN's packed layout, and for small float32 weights their plain
 copy at steps of up to SMALL_ROWS rows (through the CPU kernels' small_linear, or MKL's GEMM
 up to PLAIN_ROWS rows without them: tests/unit/test_cpu_kernels.py); all give F.linear's
-result."""
+result. These tests take the packed layout (SMALL_ONLY off, as on a CPU with AVX-512);
+test_cpu_kernels.py tests the layers with small_linear's copy alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from torch.nn import functional as F
 
 from tokenmill.executor.layers import linear
 from tokenmill.executor.layers.linear import PLAIN_ROWS, SMALL_FLOAT32_WEIGHT, Linear
+
+
+@pytest.fixture(autouse=True)
+def packed_layout(monkeypatch):
+    monkeypatch.setattr(linear, "SMALL_ONLY", False)
 
 
 def packed_layer(out_features: int, in_features: int, bias: bool, dtype=torch.float32) -> tuple[Linear, torch.Tensor]:

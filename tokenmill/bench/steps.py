@@ -48,8 +48,8 @@ def stored_weight_bytes(model: torch.nn.Module) -> int:
             if getattr(m, "packed_int8", None) is not None or getattr(m, "amx_int8", None) is not None:
                 total += m.in_features * m.out_features
             count(m.packed)  # oneDNN's layout on the CPU (a step reads it or the plain copy, not both)
-            if m.packed is None:
-                count(m.weight)
+            if m.packed is None:  # (small_linear's copy, where it is the only one: layers/linear.py's SMALL_ONLY)
+                count(m.small if m.small is not None else m.weight)
     looked_up = {p.data_ptr() for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))
                  for p in m.parameters()}
     for t in model.parameters():

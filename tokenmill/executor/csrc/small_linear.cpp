@@ -1,7 +1,7 @@
-// y = x W^T (+ b) for float32 steps of up to a few hundred rows (decodes, speculative
-// verification, short prompt chunks), AVX2 + FMA. MKL's GEMM costs about twice its one-row GEMV from two rows on, and
-// oneDNN's packed call carries about 30 us of overhead, at the built-in model's shapes
-// (benchmarks/linear_layout.py).
+// y = x W^T (+ b) for float32 steps, AVX2 + FMA: decodes, speculative verification, and on a CPU
+// without AVX-512 prompt chunks too (layers/linear.py's SMALL_ONLY). MKL's GEMM costs about twice
+// its one-row GEMV from two rows on, and oneDNN's packed call carries about 30 us of overhead, at
+// the built-in model's shapes (benchmarks/linear_layout.py).
 //
 // The weight is laid out once (pack_small in layers/linear.py) as [out / 16, in, 16]: for each
 // block of 16 outputs, each input holds the 16 outputs' weights. One x value, broadcast to every
@@ -13,7 +13,8 @@
 // it: a verified draft's row equals the decode that would have made it. Up to 6 rows of x go
 // against the weights a pass (4 blocks of 16 outputs against one row, 2 against two, 1 against
 // 3-6: the accumulators within the 16 registers); more rows go by in passes over each thread's
-// chunk of weights, which stays in L1/L2 between them.
+// chunk of weights, which stays in L1/L2 between them. Threads take chunks of outputs, and where
+// there are fewer than two a thread, groups of rows too.
 //
 // The weight may be bfloat16 (x and y stay float32): a float32 weight whose every value is a
 // bfloat16 one (a bfloat16 checkpoint served in float32, as on a CPU without AVX512-BF16) is kept
@@ -23,6 +24,7 @@
 // from half the bytes: a decode step of a small model reads each weight once, from memory where
 // the weights outgrow the cache.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 
@@ -33,6 +35,9 @@ namespace {
 
 constexpr int64_t MAX_ROWS = 6;  // rows of x a pass
 constexpr int64_t CHUNK = 4;  // blocks of 16 outputs a thread takes at a time
+// a job's rows where the chunks alone leave threads idle (a narrow layer's prompt chunk): at least
+// this many passes, so that each job reads its chunk of weights for many rows
+constexpr int64_t GROUP_PASSES = 8;
 
 // a block's 16 weights at one input as two vectors of 8 float32: outputs 0-7 and 8-15. Bfloat16
 // ones are laid out [0-3, 8-11, 4-7, 12-15] (pack_small), so that interleaving each 128-bit lane's
@@ -145,17 +150,25 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
   float* yp = y.data_ptr<float>();
   const int64_t s = x.stride(0);
   const int64_t chunks = (num_blocks + CHUNK - 1) / CHUNK;
-  if (packed.scalar_type() == torch::kBFloat16) {
-    const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-#pragma omp parallel for schedule(static) if (out * in >= 32768)
-    for (int64_t c = 0; c < chunks; c++)
-      rows_against(xp, s, rows, wp, in, b, yp, out, c * CHUNK, std::min(num_blocks, (c + 1) * CHUNK));
-  } else {
-    const float* wp = packed.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (out * in >= 32768)
-    for (int64_t c = 0; c < chunks; c++)
-      rows_against(xp, s, rows, wp, in, b, yp, out, c * CHUNK, std::min(num_blocks, (c + 1) * CHUNK));
-  }
+  // jobs: a chunk of blocks against a group of rows; the rows are split only where there are
+  // fewer than two chunks a thread, in whole passes (a row's output is the same in any group)
+  const int64_t threads = at::get_num_threads(), most_groups = (rows + GROUP_PASSES * MAX_ROWS - 1) /
+                                                               (GROUP_PASSES * MAX_ROWS);
+  const int64_t want = chunks < 2 * threads ? std::min(most_groups, (2 * threads + chunks - 1) / chunks) : 1;
+  const int64_t per = ((rows + want - 1) / want + MAX_ROWS - 1) / MAX_ROWS * MAX_ROWS;
+  const int64_t groups = (rows + per - 1) / per, jobs = chunks * groups;
+  // threads for a layer of 32768 weights (at one row) or a step of 2^20 products
+  const bool parallel = jobs > 1 && (out * in >= 32768 || rows * out * in >= (int64_t{1} << 20));
+  auto run = [&](const auto* wp) {
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t j = 0; j < jobs; j++) {
+      const int64_t c = j % chunks, r0 = j / chunks * per;
+      rows_against(xp + r0 * s, s, std::min(per, rows - r0), wp, in, b, yp + r0 * out, out, c * CHUNK,
+                   std::min(num_blocks, (c + 1) * CHUNK));
+    }
+  };
+  if (packed.scalar_type() == torch::kBFloat16) run(packed.data_ptr<at::BFloat16>());
+  else run(packed.data_ptr<float>());
   return y;
 }
 

@@ -34,8 +34,17 @@ if TYPE_CHECKING:
 # Without the kernels MKL's GEMM runs a plain copy up to PLAIN_ROWS rows, where it beats
 # oneDNN's packed layout
 SMALL_FLOAT32_WEIGHT = 1 << 21
-SMALL_ROWS = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 256
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+SMALL_ROWS = 16 if AVX512 else 256
 PLAIN_ROWS = 4
+# On a CPU without AVX-512 (with the kernels) every float32 layer keeps that copy alone, whatever
+# its size, and runs every step on small_linear: no oneDNN copy. small_linear ran each shape
+# measured (the built-in and 56M models', 4096 x 4096, the wide model's 11264 x 2048 and
+# 2048 x 5632) at 0.93-1.38x oneDNN's packed float32 call from 64 to 2,048 rows and, with a
+# bfloat16 copy, 4.1-4.5x at one row of the large ones (a 2-core AMD EPYC), while a bfloat16
+# checkpoint served in float32 keeps half the bytes of float32 in memory, not 1.5x (a copy of
+# each kind) or 1x (the packed one alone, past SMALL_FLOAT32_WEIGHT).
+SMALL_ONLY = not AVX512
 # a float32 weight whose every value is a bfloat16 one (a bfloat16 checkpoint served in float32, as
 # on a CPU without AVX512-BF16) keeps that copy in bfloat16, which small_linear widens exactly as it
 # reads it: the same output bit for bit from half the bytes, and up to twice the elements in the
@@ -167,6 +176,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
+        if self.packed is None and self.small_kernel is not None:  # its only copy (SMALL_ONLY)
+            if x.dim() == 2 and x.shape[0] > 0:
+                return self.small_kernel(x, self.small, self.bias)
+            flat = x.reshape(-1, x.shape[-1])  # (the kernel takes rows, at least one)
+            y = self.small_kernel(flat, self.small, self.bias) if len(flat) else x.new_empty(0, self.out_features)
+            return y.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             if self.small is not None and x.shape[0] <= self.small_rows:
                 if self.small_kernel is not None:
@@ -195,11 +210,19 @@ class Linear(nn.Module):
         Small bfloat16 weights keep a copy for small_linear_bf16, or amx_linear where the CPU
         has AMX (see SMALL_BFLOAT16_WEIGHT and AMX_ROWS).
         Otherwise the plain copy is dropped once packed. A quantized layer packs as its
-        method says."""
+        method says. On a CPU without AVX-512 a float32 weight is laid out for small_linear
+        alone, in bfloat16 where every value is a bfloat16 one (SMALL_ONLY)."""
         if self.quant_method is not None:
             self.quant_method.process_weights_after_loading(self)
             return
         w = self.weight
+        if SMALL_ONLY and w.device.type == "cpu" and w.dtype == torch.float32:
+            kernels = load_cpu_kernels()
+            if kernels is not None and kernels.has_small_linear:
+                self.small = pack_small(w.detach().to(torch.bfloat16) if exactly_bfloat16(w) else w.detach())
+                self.small_kernel = partial(kernels.small_linear, out=self.out_features)
+                self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+                return
         if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16, torch.float16) \
                 and torch.backends.mkldnn.is_available():
             try:
