@@ -20,7 +20,8 @@ from tokenmill.executor.cpu_kernels import load_cpu_kernels
 if TYPE_CHECKING:
     from tokenmill.executor.distributed.parallel import ColumnShard, RowShard
 
-# float32 weights with fewer elements than this (8 MB) also keep a copy laid out by pack_small, for
+# float32 weights with fewer elements than this (8 MB) also keep a copy laid out by pack_small (on
+# a CPU without AVX-512, every float32 weight keeps that copy alone: SMALL_ONLY below), for
 # steps of at most SMALL_ROWS rows (decodes of a batch, speculative verification, short prompt
 # chunks): the CPU kernels' small_linear reads each weight once for up to 6 rows, in passes of 6
 # over a thread's chunk of weights past 6, and keeps each output in one lane (AVX2 + FMA). On a
@@ -38,12 +39,12 @@ AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 SMALL_ROWS = 16 if AVX512 else 256
 PLAIN_ROWS = 4
 # On a CPU without AVX-512 (with the kernels) every float32 layer keeps that copy alone, whatever
-# its size, and runs every step on small_linear: no oneDNN copy. small_linear ran each shape
-# measured (the built-in and 56M models', 4096 x 4096, the wide model's 11264 x 2048 and
-# 2048 x 5632) at 0.93-1.38x oneDNN's packed float32 call from 64 to 2,048 rows and, with a
-# bfloat16 copy, 4.1-4.5x at one row of the large ones (a 2-core AMD EPYC), while a bfloat16
-# checkpoint served in float32 keeps half the bytes of float32 in memory, not 1.5x (a copy of
-# each kind) or 1x (the packed one alone, past SMALL_FLOAT32_WEIGHT).
+# its size, and runs every step on small_linear: no oneDNN copy. With a bfloat16 copy it ran the
+# built-in, 56M and wide (hidden 2048) models' layers at 3.3-8.5x oneDNN's packed float32 call at
+# one row, 0.95-1.9x at 16-256 rows and about even from 512 to 2,048 (0.78-1.29x), on a 2-core
+# AMD EPYC (benchmarks/linear_layout.py), while a bfloat16 checkpoint served in float32 keeps half
+# the bytes of float32 in memory, not 1.5x (a copy of each kind) or 1x (the packed one alone,
+# past SMALL_FLOAT32_WEIGHT); benchmarks/float32_weights.py compares the engines.
 SMALL_ONLY = not AVX512
 # a float32 weight whose every value is a bfloat16 one (a bfloat16 checkpoint served in float32, as
 # on a CPU without AVX512-BF16) keeps that copy in bfloat16, which small_linear widens exactly as it

@@ -40,7 +40,8 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     while counts[-1] * 2 <= min(max_tokens, num_blocks):
         counts.append(counts[-1] * 2)
     # past a layer's small_rows rows it leaves its small-step kernel for the packed weight
-    # (layers/linear.py), and the step's time jumps: timed on both sides, a verification of
+    # (layers/linear.py; with that kernel's copy alone, SMALL_ONLY, the step leaves the one-call
+    # forward there), and the step's time jumps: timed on both sides, a verification of
     # 17-31 tokens (float32 with 16 rows a layer, as on a CPU with AVX-512) is not priced on the
     # line from 16 to 32, below what it costs. (In bfloat16 each layer has its own: the built-in model's 5, 6, 12 and 17.)
     changes = {m.small_rows + 1 for m in runner.model.modules() if isinstance(m, Linear) and m.small is not None}
