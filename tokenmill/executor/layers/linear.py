@@ -220,8 +220,7 @@ class Linear(nn.Module):
         if SMALL_ONLY and w.device.type == "cpu" and w.dtype == torch.float32:
             kernels = load_cpu_kernels()
             if kernels is not None and kernels.has_small_linear:
-                self.small = pack_small(w.detach().to(torch.bfloat16) if exactly_bfloat16(w) else w.detach())
-                self.small_kernel = partial(kernels.small_linear, out=self.out_features)
+                self._keep_small(w, kernels, exactly_bfloat16(w))
                 self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
                 return
         if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16, torch.float16) \
@@ -233,13 +232,11 @@ class Linear(nn.Module):
             kernels = load_cpu_kernels()
             if w.dtype == torch.float32 and kernels is not None and kernels.has_small_linear \
                     and w.numel() < 2 * SMALL_FLOAT32_WEIGHT and exactly_bfloat16(w):
-                self.small = pack_small(w.detach().to(torch.bfloat16))
-                self.small_kernel = partial(kernels.small_linear, out=self.out_features)
+                self._keep_small(w, kernels, bfloat16=True)
             elif w.dtype == torch.float32 and w.numel() < SMALL_FLOAT32_WEIGHT:
-                self.small = w.detach()
+                self.small = w.detach()  # (MKL's plain copy where the kernels do not build)
                 if kernels is not None and kernels.has_small_linear:
-                    self.small = pack_small(self.small)
-                    self.small_kernel = partial(kernels.small_linear, out=self.out_features)
+                    self._keep_small(w, kernels, bfloat16=False)
             elif w.dtype == torch.bfloat16 and w.numel() < SMALL_BFLOAT16_WEIGHT and kernels is not None \
                     and kernels.has_small_linear_bf16:
                 self.small = pack_bf16_pairs(w.detach())
@@ -250,6 +247,12 @@ class Linear(nn.Module):
                     self.small_kernel = partial(kernels.small_linear_bf16, out=self.out_features)
                     self.small_rows = small_bfloat16_rows(w.numel())
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def _keep_small(self, w: torch.Tensor, kernels, bfloat16: bool) -> None:
+        """small_linear's copy of the float32 weight `w`, laid out by pack_small (in bfloat16 where
+        its values are bfloat16 ones), and the kernel for it."""
+        self.small = pack_small(w.detach().to(torch.bfloat16) if bfloat16 else w.detach())
+        self.small_kernel = partial(kernels.small_linear, out=self.out_features)
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
         param = self._parameters.get(param_name)  # weight, bias, and what a quantization method adds
