@@ -42,6 +42,11 @@ fp8_8b       FP8 W8A8 against bf16 on the Llama-3-8B shape with --fp8-8b-request
              reads in both runs (weights, and the K/V of each decoded token's context) and their
              ratio, what fewer bytes gain a step bound by memory: on qwen3 with 256 requests the
              K/V dwarfs the weights.
+spec         benchmarks/speculative.py on the device (benchmarks/gpu_spec.py): the built-in model
+             with n-gram, its draft model and its EAGLE head against no speculation, at
+             --spec-concurrency (1,16), both prompt sets; verification steps replay the target's
+             CUDA graphs, the drafters' forwards their own. Not in the default --only (it needs
+             about 4 minutes): run it as `--only spec` or beside other sections.
 
 Targets (issue 14): >= 12,000 output tok/s on an H100; >= 10x HF static and >= 3x HF
 continuous batching; decode steps at batch 64 and 256 within 1.5x of the roofline; graphs
@@ -77,6 +82,7 @@ from tokenmill.bench.steps import (StepTimeline, bytes_per_step, copy_bandwidth,
 from tokenmill.bench.workloads import random_requests  # noqa: E402
 
 import gpu_quant  # noqa: E402  the FP8 sections (this folder; python puts a script's folder on its path)
+import gpu_spec  # noqa: E402  the speculative section
 
 QWEN3_06B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
@@ -346,6 +352,10 @@ def main() -> None:
     p.add_argument("--profile-shape", default="qwen3", choices=["qwen3", "llama8b"], help="section profile's model")
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
     p.add_argument("--only", default="tests,qwen3,fp8,fp8_quality,steps,profile,hf,hf_cb,llama8b,fp8_8b")
+    p.add_argument("--spec-concurrency", default="1,16", help="section spec's concurrencies")
+    p.add_argument("--spec-rounds", type=int, default=2, help="section spec's rounds")
+    p.add_argument("--spec-methods", default="ngram,draft,eagle", help="section spec's methods (speculative.py's)")
+    p.add_argument("--spec-timeout-s", type=float, default=300.0)
     p.add_argument("--smoke", action="store_true", help="a tiny shape and workload, to check the script itself")
     args = p.parse_args()
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
@@ -359,6 +369,7 @@ def main() -> None:
         args.num_requests, args.hf_requests, args.max_num_seqs, args.cb_output_len = 24, 8, 8, 16
         args.fp8_8b_requests = 8
         args.hf_batch_sizes, args.step_batches, args.step_context = [4, 8], [1, 4], 64
+        args.spec_concurrency, args.spec_rounds = "1", 1
         if not torch.cuda.is_available():
             args.dtype = "float32"
     only = set(args.only.split(","))
@@ -367,7 +378,8 @@ def main() -> None:
                            ("fp8", partial(gpu_quant.fp8, bench), 110),
                            ("fp8_quality", partial(gpu_quant.fp8_quality, bench), 60), ("steps", bench.steps, 60),
                            ("profile", bench.profile, 40), ("hf", bench.hf, 170), ("hf_cb", bench.hf_cb, 150),
-                           ("llama8b", bench.llama8b, 90), ("fp8_8b", partial(gpu_quant.fp8_8b, bench), 180)]:
+                           ("llama8b", bench.llama8b, 90), ("fp8_8b", partial(gpu_quant.fp8_8b, bench), 180),
+                           ("spec", partial(gpu_spec.spec, bench), 240)]:
         if name in only:
             bench.section(name, fn, 0 if args.smoke else cost)
     bench.table()

@@ -200,6 +200,9 @@ def main() -> None:
     parser.add_argument("--no-drafts", action="store_true",
                         help="adaptive speculation's choice always gives no drafts (a draft model or head still "
                         "verifies its first 32, to learn its rate): the cost of speculation that does not pay")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help='more LLM arguments for every engine, as JSON (on a GPU: \'{"gpu_memory_utilization": '
+                        '0.08}\', each engine taking a share of the device)')
     parser.add_argument("--output-json", default="bench_results/speculative.json")
     args = parser.parse_args()
     if args.self_baseline and args.turn:
@@ -242,9 +245,9 @@ def main() -> None:
     for set_name in args.sets:
         for c in args.concurrency:
             prompts = sets[set_name][:max(2 * c, 8)]
-            llms = {"none": LLM(model, dtype=args.dtype, max_num_seqs=c)}
-            llms.update({m: LLM(model, dtype=args.dtype, max_num_seqs=c, speculative_config=METHODS[m])
-                         for m in args.methods})
+            llms = {"none": LLM(model, dtype=args.dtype, max_num_seqs=c, **args.engine_args)}
+            llms.update({m: LLM(model, dtype=args.dtype, max_num_seqs=c, speculative_config=METHODS[m],
+                                **args.engine_args) for m in args.methods})
             for llm in llms.values():
                 run(llm, prompts[:2])  # warm-up
             results = {name: [] for name in llms}
@@ -288,6 +291,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del llms
+            gc.collect()  # (on a GPU, the engines' memory goes back before the next ones take theirs)
 
     def interval(row: dict, key: str = "self_throughput_ratio_ci95") -> str:
         ci = row.get(key)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from train_demo_model import load_tokenizer, split_files, token_stream  # noqa: E402
 
 from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, DEFAULT_MODEL_DIR  # noqa: E402
-from tokenmill.executor.spec.draft import BUILT_IN_TOKEN_MAP  # noqa: E402
+from tokenmill.executor.spec.vocab import BUILT_IN_TOKEN_MAP  # noqa: E402
 
 
 def main() -> None:

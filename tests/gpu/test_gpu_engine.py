@@ -142,3 +142,60 @@ def test_an_unreachable_engine_leaves_its_memory_to_the_next(checkpoint):
         assert second.engine.runner.profile["kv_budget_bytes"] >= 0.95 * budget
     finally:
         gc.enable()
+
+
+def near_ties_at_most(expected, ours, most_parted: int = 1) -> None:
+    """Outputs in float32 through other summation orders (another bucket, cuBLAS picking
+    another kernel for other row counts): equal, or parted at a near-tie (each side's token in
+    the other's top 5), for at most `most_parted` prompts; logprobs close before that."""
+    parted = 0
+    for a, b in zip(expected, ours):
+        x, y = a.outputs[0], b.outputs[0]
+        j = next((k for k, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
+        for step in range(j):
+            assert y.logprobs[step][y.token_ids[step]] == pytest.approx(x.logprobs[step][x.token_ids[step]], abs=1e-3)
+        if j < len(x.token_ids):
+            parted += 1
+            assert x.token_ids[j] in y.logprobs[j] and y.token_ids[j] in x.logprobs[j], (j, x.token_ids, y.token_ids)
+    assert parted <= most_parted
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_graphs_equals_plain_decoding(checkpoint, method):
+    """Verification steps replay the target's graphs a row a token, and a draft model's forwards
+    replay its own: greedy tokens are plain decoding's (the target as its own draft has its
+    drafts accepted)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+            "adaptive": False} if method == "ngram" else \
+        {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3, "adaptive": False}
+    _, plain = run(checkpoint, dtype="float32")
+    llm, ours = run(checkpoint, dtype="float32", speculative_config=spec)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.max_query == 4
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    if method == "draft_model":
+        assert runner.drafter.graphs is not None and runner.drafter.graphs.graphs
+        assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"]
+    near_ties_at_most(plain, ours)
+    llm.engine.kv_cache.check_integrity()
+    _, eager = run(checkpoint, dtype="float32", speculative_config=spec, enforce_eager=True)
+    near_ties_at_most(eager, ours)
+
+
+def test_eagle_head_on_the_built_in_model():
+    """The built-in model with its EAGLE head, both in graphs: plain decoding's tokens."""
+    prompts = ["def fibonacci(n):", "import os\nimport sys\nimport os\n", "class Stack:\n    def push(self, x):"]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=5)
+    outs = {}
+    for name, spec in [("plain", None), ("eagle", {"method": "eagle", "num_speculative_tokens": 3, "adaptive": False})]:
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3, speculative_config=spec)
+        outs[name] = llm.generate(prompts, params, use_tqdm=False)
+        if spec:
+            assert llm.engine.runner.drafter.graphs.features is not None
+            assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+            llm.engine.kv_cache.check_integrity()
+        del llm
+    near_ties_at_most(outs["plain"], outs["eagle"])

@@ -12,7 +12,7 @@ from tokenmill import LLM
 from tokenmill.config import EngineConfig
 from tokenmill.executor.attention import select_attention_backend
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
-from tokenmill.executor.cuda_graphs import graph_buckets
+from tokenmill.executor.cuda_graphs import graph_buckets, graph_rows
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -69,3 +69,6 @@ def test_graph_buckets_follow_vllm():
     assert graph_buckets(256) == [1, 2, 4] + list(range(8, 257, 8))
     assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert graph_buckets(1) == [1]
+    assert graph_buckets(320)[-6:] == [248, 256, 272, 288, 304, 320]  # steps of 16 above 256 (vLLM's)
+    assert graph_rows(64, 1) == 64 and graph_rows(64, 5) == 320 and graph_rows(256, 5) == 512
+    assert graph_rows(600, 5) == 600  # never fewer rows than a decode a request

@@ -6,6 +6,8 @@
   Triton kernels under the interpreter.
 - The profiling forward that sizes the KV cache on CUDA: the largest step, over a
   throwaway cache.
+- Speculative decoding's steps through the graph runner (verification a row a token, the
+  drafters' own graphs), and a drafter's weights in the KV budget.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import torch
 
 from tests.models.test_parity import PROMPTS
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, DEFAULT_MODEL_DIR
 from tokenmill.executor.cuda_graphs import CudaGraphRunner, EagerReplay
-from tokenmill.executor.memory import profile_forward
+from tokenmill.executor.memory import checkpoint_bytes, profile_forward
 
 pytest.importorskip("tokenmill.executor.attention.triton", reason="Triton is not installed")
 
@@ -55,6 +58,72 @@ def test_graph_runner_pads_to_buckets_and_matches_eager(checkpoints, async_sched
     llm.engine.kv_cache.check_integrity()
 
 
+def recording(graphs: CudaGraphRunner) -> tuple[list[int], list[int]]:
+    """The tokens of each step graphs runs, and the bucket each replays, from now on."""
+    tokens, buckets = [], []
+    for b, captured in graphs.graphs.items():
+        original = captured.graph.replay
+        captured.graph.replay = lambda b=b, original=original: (buckets.append(b), original())
+    run = graphs.run
+
+    def counted(input_ids, *args, **kwargs):
+        tokens.append(len(input_ids))
+        return run(input_ids, *args, **kwargs)
+
+    graphs.run = counted
+    return tokens, buckets
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_verification_steps_replay_graphs_a_row_a_token(checkpoints, method):
+    """With speculation, a step that verifies k drafts a request replays a graph with each token
+    a row (its request's block table row, its context up to itself), in buckets up to
+    max_num_seqs x (k + 1) rows; a draft model's forwards replay graphs of their own, an EAGLE
+    head's (the built-in model's) with the target's hidden states in a static buffer. The greedy
+    outputs, and the drafts (as counted), are those of the engine without graphs, whose outputs
+    are plain decoding's (tests/models/test_parity.py, test_eagle.py)."""
+    path = str(DEFAULT_MODEL_DIR if method == "eagle" else checkpoints("llama_tied_llama3rope"))
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=2)
+    elif method == "draft_model":
+        spec["model"] = path  # the target as its own draft: every draft accepted
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    args = dict(dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", max_num_seqs=3)
+    eager = LLM(path, **args, speculative_config={**spec, "adaptive": False})
+    expected = eager.generate(prompts, params, use_tqdm=False)
+    counts = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+    llm = LLM(path, **args, speculative_config={**spec, "adaptive": False})
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphRunner(runner, max_batch_size=3, max_query=4)
+    runner.graphs.capture()
+    assert runner.graphs.buckets == [1, 2, 4, 8, 12]
+    target, target_buckets = recording(runner.graphs)
+    drafter = runner.drafter
+    if drafter is not None:
+        assert drafter.fused is None  # (beside Triton the layers are not the one-call forward's)
+        width = drafter.model_config.hidden_size if method == "eagle" else 0
+        drafter.graphs = CudaGraphRunner(drafter, 3, 5, drafter.scratch_per_row, width)
+        drafter.graphs.capture()
+        assert drafter.graphs.buckets == [1, 2, 4, 8, 15]
+        drafts, draft_buckets = recording(drafter.graphs)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in expected]
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert [stats[c] for c in counts] == [eager.engine.stats()[c] for c in counts]
+    assert max(target) > 3 and max(target_buckets) >= 8  # a verification of several tokens a request
+    if method == "draft_model":
+        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]  # its own draft
+    if drafter is not None:
+        assert max(drafts) > 3 and drafts.count(3) > 0  # forward 1's catch-ups, then a token a request
+        assert len(draft_buckets) == len(drafts)
+    llm.engine.kv_cache.check_integrity()
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_profile_forward_runs_the_largest_step_on_a_throwaway_cache(checkpoints, backend):
     llm = LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory="8MiB", attention_backend=backend,
@@ -78,3 +147,17 @@ def test_step_block_tables_are_zero_padded_rows():
     table = rows.gather(["a", "b", "c", "d", "e"], 3)
     assert table.dtype == np.int32
     assert table.tolist() == [[7, 3, 9], [12, 0, 0], [0, 0, 0], [5, 1, 0], [8, 0, 0]]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_a_drafters_weights_are_counted_from_its_checkpoint(method):
+    """On CUDA a drafter loads after the KV cache has taken its share, so the budget counts its
+    weights from its checkpoint's headers: the bytes the loaded drafter holds (in bfloat16, where
+    the CPU's float32 layers do not repack their weights), twice that in float32."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="8MiB",
+              speculative_config={"method": method, "num_speculative_tokens": 2, "adaptive": False})
+    drafter = llm.engine.runner.drafter
+    path = DEFAULT_EAGLE_MODEL_DIR if method == "eagle" else DEFAULT_DRAFT_MODEL_DIR
+    held = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
+    assert checkpoint_bytes(path, torch.bfloat16) == held > 0
+    assert checkpoint_bytes(path, torch.float32) == 2 * held

@@ -1,11 +1,20 @@
-"""CUDA graphs for decode-only steps: captured at start-up, one per batch-size bucket.
+"""CUDA graphs for decode-shaped steps: captured at start-up, one per bucket of rows.
 
-Buckets are 1, 2, 4, 8, then steps of 8 up to max_num_seqs (vLLM's). A step of n
-decodes copies its inputs into static buffers, padded to the next bucket (padding
-tokens have slot -1, so their K/V are not written, and a context of 0 tokens), and
-replays that bucket's graph: the whole forward, one launch from the host, instead
-of several hundred. Graphs share one memory pool; the largest is captured first,
-so the smaller ones fit in its memory. Logits and sampling run outside the graph.
+Buckets are 1, 2, 4, 8, then steps of 8 up to 256 and of 16 above (vLLM's), up to
+max_num_seqs rows. A step of n decodes copies its inputs into static buffers, padded
+to the next bucket (padding tokens have slot -1, so their K/V are not written, and a
+context of 0 tokens), and replays that bucket's graph: the whole forward, one launch
+from the host, instead of several hundred. Graphs share one memory pool; the largest is
+captured first, so the smaller ones fit in its memory. Logits and sampling run outside
+the graph.
+
+With speculative decoding a step verifies up to k drafts a request: a query of up to
+k + 1 tokens (`max_query`). Such a step replays the same graphs with each token a row
+of its own, its request's block table row and a context up to itself (as the decode
+rows of a short query are in the CPU backend): each layer writes every row's K/V before
+its attention reads them, so a row sees the rows before it. The buckets then go up to
+max_num_seqs x max_query rows (at most SPEC_ROWS, and never fewer than max_num_seqs);
+a longer step runs eagerly. Prompt chunks no longer than max_query go the same way.
 
 Only a backend whose launches depend on nothing but the batch size can be captured
 (`graph_safe`): the Triton backend, whose decode grid is (decodes, kv heads, splits)
@@ -30,9 +39,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill")
 
 
+# the most rows a graph takes for verification steps (vLLM captures up to 512 tokens by default)
+SPEC_ROWS = 512
+
+
 def graph_buckets(max_batch_size: int) -> list[int]:
-    buckets = [b for b in (1, 2, 4) if b < max_batch_size] + list(range(8, max_batch_size + 8, 8))
+    buckets = [b for b in (1, 2, 4) if b < max_batch_size] + list(range(8, min(max_batch_size, 256) + 8, 8)) + \
+        list(range(272, max_batch_size + 16, 16))
     return sorted({min(b, max_batch_size) for b in buckets})
+
+
+def graph_rows(max_num_seqs: int, max_query: int) -> int:
+    """The rows of the largest bucket: a decode a request, or with queries of up to
+    `max_query` tokens (verification), a row a token, within SPEC_ROWS."""
+    return max_num_seqs if max_query == 1 else max(max_num_seqs, min(max_num_seqs * max_query, SPEC_ROWS))
 
 
 def _padded(array: np.ndarray, pad: int, fill: int = 0) -> np.ndarray:
@@ -50,14 +70,16 @@ class EagerReplay:
     same static buffers and plan, so the buffer, padding and bucket logic runs in the CPU
     tests (Triton under its interpreter) exactly as it feeds a captured graph."""
 
-    def __init__(self, model, ids: torch.Tensor, positions: torch.Tensor, attn, hidden: torch.Tensor) -> None:
+    def __init__(self, model, ids: torch.Tensor, positions: torch.Tensor, attn, hidden: torch.Tensor,
+                 extra: tuple[torch.Tensor, ...] = ()) -> None:
         self.model, self.ids, self.positions, self.attn, self.hidden = model, ids, positions, attn, hidden
+        self.extra = extra
         self.plan = attn.plan
 
     @torch.inference_mode()
     def replay(self) -> None:
         self.attn.plan = self.plan
-        self.hidden.copy_(self.model(self.ids, self.positions, self.attn))
+        self.hidden.copy_(self.model(self.ids, self.positions, self.attn, *self.extra))
 
 
 class CapturedGraph(NamedTuple):
@@ -67,11 +89,20 @@ class CapturedGraph(NamedTuple):
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
+    """`runner`: the target's ModelRunner, or a draft model (spec/draft.py); what it needs of
+    either is the model, its attention backend, staging, device, block size and max_model_len.
+    `max_query`: the longest query a step replays a graph for (each token a row); `extra_blocks`:
+    block table columns beyond max_model_len's (a draft's scratch blocks); `features`: the width
+    of a second input a row, given to the model after the positions and the backend (an EAGLE
+    head's target hidden states), in the model's dtype."""
+
+    def __init__(self, runner: ModelRunner, max_batch_size: int, max_query: int = 1, extra_blocks: int = 0,
+                 features: int = 0) -> None:
         self.runner = weakref.proxy(runner)  # the runner owns this; no cycle keeps a dead engine's memory
-        self.buckets = graph_buckets(max_batch_size)
+        self.max_query = max_query
+        self.buckets = graph_buckets(graph_rows(max_batch_size, max_query))
         b = self.buckets[-1]
-        max_blocks = -(-runner.max_model_len // runner.block_size)
+        max_blocks = -(-runner.max_model_len // runner.block_size) + extra_blocks
         with torch.device(runner.device):
             self.input_ids = torch.zeros(b, dtype=torch.int64)
             self.positions = torch.zeros(b, dtype=torch.int64)
@@ -79,6 +110,7 @@ class CudaGraphRunner:
             self.seq_lens = torch.zeros(b, dtype=torch.int32)
             self.query_start_loc = torch.arange(b + 1, dtype=torch.int32)
             self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32)
+            self.features = torch.zeros(b, features, dtype=next(runner.model.parameters()).dtype) if features else None
         self.graphs: dict[int, CapturedGraph] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -123,23 +155,31 @@ class CudaGraphRunner:
         attn.begin_step(md)  # outside the capture: the plan's tensors are made once, then only read
         runner.staging.end()
         ids, positions = self.input_ids[:b], self.positions[:b]
-        hidden = model(ids, positions, attn)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        extra = () if self.features is None else (self.features[:b],)
+        hidden = model(ids, positions, attn, *extra)  # warm-up: Triton compiles, cuBLAS picks its kernels
         if runner.device.type != "cuda":
-            return CapturedGraph(EagerReplay(model, ids, positions, attn, hidden), hidden, attn.plan)
+            return CapturedGraph(EagerReplay(model, ids, positions, attn, hidden, extra), hidden, attn.plan)
         torch.cuda.synchronize(runner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            hidden = model(ids, positions, attn)
+            hidden = model(ids, positions, attn, *extra)
         return CapturedGraph(graph, hidden, attn.plan)
 
-    def can_run(self, query_lens: np.ndarray) -> bool:
-        return bool(self.buckets) and len(query_lens) <= self.buckets[-1] and int(query_lens.max()) == 1
+    def can_run(self, query_lens: np.ndarray, num_tokens: int) -> bool:
+        return bool(self.buckets) and num_tokens <= self.buckets[-1] and int(query_lens.max()) <= self.max_query
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-            block_table: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """One decode step of len(input_ids) requests; returns their hidden states. `fill`:
-        (positions, token ids) on the device, put into the input ids after the copy."""
+            block_table: np.ndarray, query_lens: np.ndarray,
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None, features: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """One step of len(input_ids) tokens, len(query_lens) requests (`can_run`); returns the
+        tokens' hidden states. `fill`: (positions, token ids) on the device, put into the input
+        ids after the copy. `features`: the second input's rows (none: what the buffer holds,
+        as in timing)."""
         n = len(input_ids)
+        if n != len(query_lens):  # a row a token: its request's blocks, its context up to itself
+            block_table = block_table[np.repeat(np.arange(len(query_lens)), query_lens)]
+            seq_lens = (positions + 1).astype(np.int32)
         b = next(x for x in self.buckets if x >= n)
         pad = b - n
         put = self.runner.staging.to_device
@@ -150,6 +190,8 @@ class CudaGraphRunner:
         put(_padded(slot_mapping, pad, -1), out=self.slot_mapping[:b])
         put(_padded(seq_lens, pad), out=self.seq_lens[:b])
         put(_padded(block_table, pad), out=self.block_table[:b, :block_table.shape[1]])
+        if features is not None:
+            self.features[:n].copy_(features)
         captured = self.graphs[b]
         captured.graph.replay()
         return captured.hidden[:n]

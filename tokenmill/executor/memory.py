@@ -6,19 +6,23 @@ full length could use, capped at 2 GiB.
 CUDA (vLLM's method): one profiling forward at the largest step the budget allows
 (max_num_batched_tokens tokens over up to max_num_seqs requests, then logits and
 sampling for max_num_seqs rows) measures the peak activation memory. The cache
-then takes `gpu_memory_utilization` of the device minus the weights, that peak and
-what other processes and the CUDA context hold.
+then takes `gpu_memory_utilization` of the device minus the weights (a drafter's
+too, loaded after the cache: counted from its checkpoint), that peak and what other
+processes and the CUDA context hold.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tokenmill.executor.attention import AttentionMetadata, token_slots
+from tokenmill.executor.loader import safetensors_files
 from tokenmill.executor.sampler import SamplingBatch
 
 if TYPE_CHECKING:
@@ -49,11 +53,24 @@ def num_kv_blocks(runner: ModelRunner, max_num_batched_tokens: int) -> int:
     return int(num_blocks)
 
 
+def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
+    """What a checkpoint's tensors take once loaded in `dtype`, from its safetensors headers
+    (no tensor is read)."""
+    from safetensors import safe_open
+
+    numel = 0
+    for f in safetensors_files(Path(path)):
+        with safe_open(str(f), framework="pt") as st:
+            numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())
+    return numel * dtype.itemsize
+
+
 def _cuda_kv_budget(runner: ModelRunner, max_tokens: int) -> int:
     device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    weights = torch.cuda.memory_allocated(device) - runner.memory_baseline
+    # the drafter's weights (speculative decoding) come after the cache: counted here
+    weights = torch.cuda.memory_allocated(device) - runner.memory_baseline + runner.draft_weight_bytes
     torch.cuda.reset_peak_memory_stats(device)
     try:
         profile_forward(runner, max_tokens)
@@ -61,7 +78,7 @@ def _cuda_kv_budget(runner: ModelRunner, max_tokens: int) -> int:
         raise ValueError(f"CUDA ran out of memory in the profiling forward of {max_tokens} tokens; lower "
                          f"max_num_batched_tokens or max_num_seqs, or raise gpu_memory_utilization") from e
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - weights - runner.memory_baseline
+    peak = torch.cuda.max_memory_allocated(device) - (weights - runner.draft_weight_bytes) - runner.memory_baseline
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     # memory in use that torch's allocator does not hold: the CUDA context, other processes

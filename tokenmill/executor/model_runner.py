@@ -7,7 +7,8 @@ one forward runs over all scheduled tokens flattened (no padding between
 requests), logits are computed only for rows that sample (with speculative drafts:
 a request's last 1 + k positions, verified in the sampler), and the sampled ids
 (with their logprobs) come back in the step's single device-to-host sync.
-Decode-only steps on CUDA replay a captured graph (executor/cuda_graphs.py).
+Decode steps on CUDA, and verification steps of speculative decoding, replay a captured graph
+(executor/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tokenmill.executor.distributed.workers import TensorParallelWorkers, Worker
 from tokenmill.executor.fused_decoder import fused_decoder
 from tokenmill.executor.layers.quantization import resolve_quantization
 from tokenmill.executor.loader import load_model
-from tokenmill.executor.memory import num_kv_blocks
+from tokenmill.executor.memory import checkpoint_bytes, num_kv_blocks
 from tokenmill.executor.penalties import PenaltyState
 from tokenmill.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from tokenmill.executor.sampler import SampledTokens, Sampler
@@ -140,6 +141,7 @@ class ModelRunner(CacheOwner):
         # a draft model's KV cache shares the blocks, so each block costs its bytes too
         draft = resolve_draft(spec, model_path, model_config) if spec and spec.method in DRAFTERS else None
         self.draft_kv_bytes_per_token = draft[1].kv_bytes_per_token(self.kv_cache_dtype) if draft else 0
+        self.draft_weight_bytes = checkpoint_bytes(draft[0], dtype) if draft and device.type == "cuda" else 0
         self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest can
             self.num_blocks = tp.min_int(self.num_blocks)
@@ -151,6 +153,12 @@ class ModelRunner(CacheOwner):
         self.fused, self.fused_rows, _ = fused or (None, 0, False)
         if self.fused is not None:
             logger.info("steps of up to %d tokens, each a row of its own, run in one native call", self.fused_rows)
+        # captured before the step-cost timing below, which times the steps as they run
+        self.graphs: CudaGraphRunner | None = None
+        if device.type == "cuda" and not config.enforce_eager and tp is None:
+            self.graphs = CudaGraphRunner(self, max_batch_size=config.max_num_seqs,
+                                          max_query=1 + spec.num_speculative_tokens if spec else 1)
+            self.graphs.capture()
         self.step_cost: StepCost | None = None
         if spec is not None and spec.adaptive:  # what a step costs by its tokens, for choosing drafts
             self.step_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024),
@@ -165,10 +173,6 @@ class ModelRunner(CacheOwner):
             device.type == "cuda" and spec is None and tp is None and config.tensor_parallel_size == 1
         self._last_ids: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
-        self.graphs: CudaGraphRunner | None = None
-        if device.type == "cuda" and not config.enforce_eager and tp is None:
-            self.graphs = CudaGraphRunner(self, max_batch_size=config.max_num_seqs)
-            self.graphs.capture()
 
     def release(self, request_id: str) -> None:
         """A request finished or was aborted: what the runner kept for it goes."""
@@ -306,9 +310,9 @@ class ModelRunner(CacheOwner):
         `fill`: (positions in the input ids, the token ids to put there), on the device."""
         if step.block_copies:
             self._copy_blocks(step.block_copies)
-        if self.graphs is not None and self.graphs.can_run(step.query_lens):
+        if self.graphs is not None and self.graphs.can_run(step.query_lens, len(step.input_ids)):
             return self.graphs.run(step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_table,
-                                   fill)
+                                   step.query_lens, fill)
         if self.fits_one_call(len(step.input_ids), int(step.query_lens.max())):
             return self._forward_fused(step, fill)
         put = self.staging.to_device

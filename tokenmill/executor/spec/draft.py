@@ -32,18 +32,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, ModelConfig, SpeculativeConfig
+from tokenmill.config import ModelConfig, SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
+from tokenmill.executor.cuda_graphs import CudaGraphRunner
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.spec.adaptive import StepCost, acceptance, continuation
 from tokenmill.executor.fused_decoder import fused_decoder
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 from tokenmill.executor.spec.rests import DraftChoice
 from tokenmill.executor.spec.timing import measure_step_cost
-from tokenmill.executor.spec.vocab import DraftVocab, load_token_map
+from tokenmill.executor.spec.vocab import DraftVocab, load_token_map, token_map_file
 
 if TYPE_CHECKING:
     from tokenmill.executor.model_runner import ModelRunner
@@ -52,13 +53,14 @@ logger = logging.getLogger("tokenmill")
 
 
 CATCH_UP_ROWS = 32  # a forward of at least this many catch-up rows times a catch-up token
-BUILT_IN_TOKEN_MAP = "token_map.json"  # beside each built-in drafter: its default token map
 
 
 class DraftModel(DraftChoice, Proposer, CacheOwner):
     """The draft model, its KV cache and the drafts it made this step (handed to the
     requests by `propose`, after the scheduler has taken the step's tokens); when it drafts,
     how many, and when it rests are DraftChoice's (executor/spec/rests.py)."""
+
+    reads_features = False  # whether its forwards read the target's hidden states (an EAGLE head's do)
 
     def __init__(self, runner: ModelRunner, config: SpeculativeConfig, path: Path, model_config: ModelConfig,
                  num_blocks: int, max_num_batched_tokens: int, kernels) -> None:
@@ -75,7 +77,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         except (ValueError, OSError) as e:
             raise ValueError(f"speculative_config.model: {path} does not load: {e}") from e
         self.vocab: DraftVocab | None = None  # the LM head cut to a token map, if any
-        if (token_map := self._token_map(config, path)) is not None:
+        if (token_map := token_map_file(config, path)) is not None:
             ids = load_token_map(token_map, model_config.vocab_size)
             self.vocab = DraftVocab(self.model, ids, model_config.hidden_size, runner.dtype, runner.device)
             logger.info("speculative decoding: the drafter's LM head computes %d of %d tokens (%s)", len(ids),
@@ -92,6 +94,13 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         self.kernels = kernels
         self.fused, self.fused_rows, self.fused_drafts = \
             fused_decoder(self.model, self.kv_cache, self.attn, kernels, self.vocab) or (None, 0, False)
+        # where the target's steps replay CUDA graphs, so do the draft's forwards that fit (one token a
+        # request, or forward 1's few); an EAGLE head's with the target's hidden states in a buffer too
+        self.graphs: CudaGraphRunner | None = None
+        if runner.graphs is not None:
+            self.graphs = CudaGraphRunner(self, runner.config.max_num_seqs, config.num_speculative_tokens + 2,
+                                          self.scratch_per_row, runner.model_config.hidden_size * self.reads_features)
+            self.graphs.capture()
         self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V is in the cache
         self.drafts: dict[str, list[int]] = {}  # made this step, for the next
         self.prior = 0.5  # acceptance over all requests so far: the start of each request's own
@@ -109,17 +118,6 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
             self.draft_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024), robust=True, catch_up=True,
                                                 argmax=self._argmax)
             logger.info("adaptive speculation: draft forward time by tokens %s", self.draft_cost)
-
-    @staticmethod
-    def _token_map(config: SpeculativeConfig, path: Path) -> str | Path | None:
-        """The token map's file: the configured one; by default, a built-in drafter's own."""
-        if config.token_map is False:
-            return None
-        if config.token_map is None:
-            own = Path(path) / BUILT_IN_TOKEN_MAP
-            built_in = Path(path).resolve() in (DEFAULT_DRAFT_MODEL_DIR.resolve(), DEFAULT_EAGLE_MODEL_DIR.resolve())
-            return own if built_in and own.exists() else None
-        return config.token_map
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """The drafts for `hidden`'s rows: the argmax of the drafter's logits (over its token map)."""
@@ -284,13 +282,18 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         positions, slots = token_slots(query_lens, starts, table, self.block_size)
         put = self.staging.to_device
         self.staging.begin()
-        self.attn.begin_step(AttentionMetadata.from_host(query_lens, (starts + query_lens).astype(np.int32), table,
-                                                         put(slots), self.block_size, put))
+        seq_lens = (starts + query_lens).astype(np.int32)
         extra = ()
         if features is not None:
             source, rows = features
             extra = (source if rows is None or len(rows) == len(source) else source[put(rows.astype(np.int64))],)
-        hidden = self.model(put(np.array(ids, dtype=np.int64)), put(positions), self.attn, *extra)
+        if self.graphs is not None and self.graphs.can_run(query_lens, len(ids)):
+            hidden = self.graphs.run(np.array(ids, dtype=np.int64), positions, slots, seq_lens, table, query_lens,
+                                     features=extra[0] if extra else None)
+        else:
+            self.attn.begin_step(AttentionMetadata.from_host(query_lens, seq_lens, table, put(slots), self.block_size,
+                                                             put))
+            hidden = self.model(put(np.array(ids, dtype=np.int64)), put(positions), self.attn, *extra)
         tokens = []
         if len(logits_rows) == 0:
             hidden = hidden[:0]

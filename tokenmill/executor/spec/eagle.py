@@ -57,6 +57,8 @@ class EagleProposer(DraftModel):
     """DraftModel's cache, cost learning and proposing; the head's forwards read features.
     `pending`: per request not drafting lately, its pairs not yet in the head's cache."""
 
+    reads_features = True
+
     def __init__(self, *args, **kwargs) -> None:
         self.pending: dict[str, Waiting] = {}
         self._slab: torch.Tensor | None = None  # where waiting decode rows' hidden states are copied

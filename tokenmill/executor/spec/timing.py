@@ -56,6 +56,7 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     # target's (ModelRunner._forward_fused)
     one_call = getattr(runner, "fused_rows", 0)
     drafter = hasattr(runner, "decode_rows")
+    graphs = getattr(runner, "graphs", None)  # on CUDA, steps that fit replay a graph as in the step
     if argmax is None:
         def argmax(hidden: torch.Tensor) -> torch.Tensor:
             return runner.sampler._argmax(runner.model.compute_logits(hidden))
@@ -76,13 +77,16 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
                 runner.decode_rows(positions, block_table, [0] * n)
             else:
                 runner.staging.begin()
-                if not drafter and runner.fits_one_call(n * query, query):
-                    hidden = runner._forward_fused(StepInput(np.zeros(n * query, dtype=np.int64), positions, slots,
-                                                             query_lens, seq_lens, block_table), None)
+                zeros = np.zeros(n * query, dtype=np.int64)
+                if graphs is not None and graphs.can_run(query_lens, n * query):
+                    hidden = graphs.run(zeros, positions, slots, seq_lens, block_table, query_lens)
+                elif not drafter and runner.fits_one_call(n * query, query):
+                    step = StepInput(zeros, positions, slots, query_lens, seq_lens, block_table)
+                    hidden = runner._forward_fused(step, None)
                 else:
                     backend.begin_step(AttentionMetadata.from_host(query_lens, seq_lens, block_table, put(slots), bs,
                                                                    put))
-                    hidden = runner.model(put(np.zeros(n * query, dtype=np.int64)), put(positions), backend)
+                    hidden = runner.model(put(zeros), put(positions), backend)
                 if query > 1:
                     hidden = hidden[query - 1::query]
                 ids = argmax(hidden)

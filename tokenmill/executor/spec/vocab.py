@@ -18,12 +18,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, SpeculativeConfig
 from tokenmill.executor.layers.linear import Linear
 
 KEY = "speculative_config.token_map"
+BUILT_IN_TOKEN_MAP = "token_map.json"  # beside each built-in drafter: its default token map
 # the hidden dimensions read per pass when the head's rows are recovered (see DraftVocab):
 # a [CHUNK, vocab] block of logits at a time
 CHUNK = 256
+
+
+def token_map_file(config: SpeculativeConfig, path: Path) -> str | Path | None:
+    """A drafter's token map file: the configured one; by default, a built-in drafter's own."""
+    if config.token_map is False:
+        return None
+    if config.token_map is None:
+        own = Path(path) / BUILT_IN_TOKEN_MAP
+        built_in = Path(path).resolve() in (DEFAULT_DRAFT_MODEL_DIR.resolve(), DEFAULT_EAGLE_MODEL_DIR.resolve())
+        return own if built_in and own.exists() else None
+    return config.token_map
 
 
 def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
