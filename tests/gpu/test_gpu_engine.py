@@ -11,6 +11,7 @@ import torch
 
 from tests.conftest import make_checkpoint
 from tests.models.test_parity import PROMPTS, assert_close_outputs, hf_greedy
+from tests.unit.test_cuda_graphs import recording
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -168,18 +169,27 @@ def test_speculative_decoding_with_graphs_equals_plain_decoding(checkpoint, meth
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
             "adaptive": False} if method == "ngram" else \
         {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3, "adaptive": False}
-    _, plain = run(checkpoint, dtype="float32")
-    llm, ours = run(checkpoint, dtype="float32", speculative_config=spec)
+    plain = run(checkpoint, dtype="float32")[1]
+    # (8 sequences: the graphs go up to 32 rows, few to capture)
+    llm = LLM(str(checkpoint), device="cuda", gpu_memory_utilization=0.3, dtype="float32", max_num_seqs=8,
+              speculative_config=spec)
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.max_query == 4
-    stats = llm.engine.stats()
-    assert stats["spec_decode_num_accepted_tokens"] > 0
+    target, _ = recording(runner.graphs)
     if method == "draft_model":
         assert runner.drafter.graphs is not None and runner.drafter.graphs.graphs
+        drafts, _ = recording(runner.drafter.graphs)
+    ours = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert max(target) > len(PROMPTS)  # verifications in graphs, a row a token
+    if method == "draft_model":
         assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"]
+        assert drafts.count(len(PROMPTS)) > 0  # later drafts, a token a request
     near_ties_at_most(plain, ours)
     llm.engine.kv_cache.check_integrity()
-    _, eager = run(checkpoint, dtype="float32", speculative_config=spec, enforce_eager=True)
+    del llm, runner
+    eager = run(checkpoint, dtype="float32", speculative_config=spec, enforce_eager=True, max_num_seqs=8)[1]
     near_ties_at_most(eager, ours)
 
 
@@ -191,7 +201,7 @@ def test_eagle_head_on_the_built_in_model():
     for name, spec in [("plain", None), ("eagle", {"method": "eagle", "num_speculative_tokens": 3, "adaptive": False})]:
         gc.collect()
         torch.cuda.empty_cache()
-        llm = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3, speculative_config=spec)
+        llm = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=8, speculative_config=spec)
         outs[name] = llm.generate(prompts, params, use_tqdm=False)
         if spec:
             assert llm.engine.runner.drafter.graphs.features is not None

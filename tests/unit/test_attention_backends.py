@@ -72,3 +72,4 @@ def test_graph_buckets_follow_vllm():
     assert graph_buckets(320)[-6:] == [248, 256, 272, 288, 304, 320]  # steps of 16 above 256 (vLLM's)
     assert graph_rows(64, 1) == 64 and graph_rows(64, 5) == 320 and graph_rows(256, 5) == 512
     assert graph_rows(600, 5) == 600  # never fewer rows than a decode a request
+    assert graph_rows(64, 5, max_tokens=128) == 128  # nor more than a step's tokens

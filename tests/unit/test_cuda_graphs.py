@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -19,8 +21,9 @@ import torch
 from tests.models.test_parity import PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, DEFAULT_MODEL_DIR
-from tokenmill.executor.cuda_graphs import CudaGraphRunner, EagerReplay
+from tokenmill.executor.cuda_graphs import CudaGraphRunner, EagerReplay, drafter_graphs, target_graphs
 from tokenmill.executor.memory import checkpoint_bytes, profile_forward
+from tokenmill.executor.spec.timing import measure_step_cost
 
 pytest.importorskip("tokenmill.executor.attention.triton", reason="Triton is not installed")
 
@@ -97,17 +100,15 @@ def test_verification_steps_replay_graphs_a_row_a_token(checkpoints, method):
 
     llm = LLM(path, **args, speculative_config={**spec, "adaptive": False})
     runner = llm.engine.runner
-    runner.graphs = CudaGraphRunner(runner, max_batch_size=3, max_query=4)
-    runner.graphs.capture()
+    runner.graphs = target_graphs(runner, 64)  # as the runner captures them on CUDA
     assert runner.graphs.buckets == [1, 2, 4, 8, 12]
     target, target_buckets = recording(runner.graphs)
     drafter = runner.drafter
     if drafter is not None:
         assert drafter.fused is None  # (beside Triton the layers are not the one-call forward's)
-        width = drafter.model_config.hidden_size if method == "eagle" else 0
-        drafter.graphs = CudaGraphRunner(drafter, 3, 5, drafter.scratch_per_row, width)
-        drafter.graphs.capture()
+        drafter.graphs = drafter_graphs(drafter)
         assert drafter.graphs.buckets == [1, 2, 4, 8, 15]
+        assert (drafter.graphs.features is not None) == (method == "eagle")
         drafts, draft_buckets = recording(drafter.graphs)
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in expected]
@@ -122,6 +123,10 @@ def test_verification_steps_replay_graphs_a_row_a_token(checkpoints, method):
         assert len(draft_buckets) == len(drafts)
     llm.engine.kv_cache.check_integrity()
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    if method == "ngram":  # adaptive speculation's start-up timing replays the graphs as the steps do
+        timed, _ = recording(runner.graphs)
+        measure_step_cost(runner, 12, repeats=1, context=8, verify=4)
+        assert 1 in timed and 12 in timed  # a decode of one request; verifications of 4 tokens for 3
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -150,14 +155,26 @@ def test_step_block_tables_are_zero_padded_rows():
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
-def test_a_drafters_weights_are_counted_from_its_checkpoint(method):
+def test_a_drafters_weights_are_counted_from_its_checkpoint(method, tmp_path):
     """On CUDA a drafter loads after the KV cache has taken its share, so the budget counts its
     weights from its checkpoint's headers: the bytes the loaded drafter holds (in bfloat16, where
-    the CPU's float32 layers do not repack their weights), twice that in float32."""
-    llm = LLM(dtype="bfloat16", kv_cache_memory="8MiB",
-              speculative_config={"method": method, "num_speculative_tokens": 2, "adaptive": False})
-    drafter = llm.engine.runner.drafter
-    path = DEFAULT_EAGLE_MODEL_DIR if method == "eagle" else DEFAULT_DRAFT_MODEL_DIR
-    held = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
-    assert checkpoint_bytes(path, torch.bfloat16) == held > 0
-    assert checkpoint_bytes(path, torch.float32) == 2 * held
+    the CPU's float32 layers do not repack their weights), twice that in float32; a checkpoint
+    that carries copies of the target's embedding and LM head (some EAGLE heads do) or a tied
+    draft's LM head counts without them, as they are not loaded."""
+    from safetensors.torch import save_file
+
+    from tokenmill.executor.spec.checkpoint import skipped_tensors
+
+    path = tmp_path / "drafter"
+    shutil.copytree(DEFAULT_EAGLE_MODEL_DIR if method == "eagle" else DEFAULT_DRAFT_MODEL_DIR, path)
+    copies = {"model.embed_tokens.weight": torch.ones(8192, 256), "lm_head.weight": torch.ones(8192, 256)} \
+        if method == "eagle" else {"lm_head.weight": torch.ones(8192, 128)}
+    save_file({name: t.bfloat16() for name, t in copies.items()}, path / "z_copies.safetensors")
+    llm = LLM(dtype="bfloat16", kv_cache_memory="8MiB", speculative_config={
+        "method": method, "model": str(path), "num_speculative_tokens": 2, "adaptive": False})
+    runner = llm.engine.runner
+    skipped = skipped_tensors(runner.config.speculative_config, runner.drafter.model_config)
+    held = sum(p.numel() * p.element_size() for p in runner.drafter.model.parameters())
+    assert checkpoint_bytes(path, torch.bfloat16, skipped) == held > 0
+    assert checkpoint_bytes(path, torch.float32, skipped) == 2 * held
+    assert checkpoint_bytes(path, torch.bfloat16) == held + sum(t.numel() * 2 for t in copies.values())

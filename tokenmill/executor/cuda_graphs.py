@@ -13,7 +13,8 @@ k + 1 tokens (`max_query`). Such a step replays the same graphs with each token 
 of its own, its request's block table row and a context up to itself (as the decode
 rows of a short query are in the CPU backend): each layer writes every row's K/V before
 its attention reads them, so a row sees the rows before it. The buckets then go up to
-max_num_seqs x max_query rows (at most SPEC_ROWS, and never fewer than max_num_seqs);
+max_num_seqs x max_query rows (at most SPEC_ROWS and the step's token budget, never fewer
+than max_num_seqs);
 a longer step runs eagerly. Prompt chunks no longer than max_query go the same way.
 
 Only a backend whose launches depend on nothing but the batch size can be captured
@@ -35,6 +36,7 @@ from tokenmill.executor.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from tokenmill.executor.model_runner import ModelRunner
+    from tokenmill.executor.spec.draft import DraftModel
 
 logger = logging.getLogger("tokenmill")
 
@@ -49,10 +51,13 @@ def graph_buckets(max_batch_size: int) -> list[int]:
     return sorted({min(b, max_batch_size) for b in buckets})
 
 
-def graph_rows(max_num_seqs: int, max_query: int) -> int:
+def graph_rows(max_num_seqs: int, max_query: int, max_tokens: int = SPEC_ROWS) -> int:
     """The rows of the largest bucket: a decode a request, or with queries of up to
-    `max_query` tokens (verification), a row a token, within SPEC_ROWS."""
-    return max_num_seqs if max_query == 1 else max(max_num_seqs, min(max_num_seqs * max_query, SPEC_ROWS))
+    `max_query` tokens (verification), a row a token, within SPEC_ROWS and `max_tokens` (the
+    most tokens a step computes)."""
+    if max_query == 1:
+        return max_num_seqs
+    return max(max_num_seqs, min(max_num_seqs * max_query, SPEC_ROWS, max_tokens))
 
 
 def _padded(array: np.ndarray, pad: int, fill: int = 0) -> np.ndarray:
@@ -82,6 +87,28 @@ class EagerReplay:
         self.hidden.copy_(self.model(self.ids, self.positions, self.attn, *self.extra))
 
 
+def target_graphs(runner: ModelRunner, max_tokens: int) -> CudaGraphRunner:
+    """The target's graphs, captured: decode steps, and with speculation verification steps of
+    up to k + 1 tokens a request, a row a token (`max_tokens`: the step's token budget)."""
+    spec = runner.config.speculative_config
+    graphs = CudaGraphRunner(runner, runner.config.max_num_seqs, 1 + spec.num_speculative_tokens if spec else 1,
+                             max_tokens=max_tokens)
+    graphs.capture()
+    return graphs
+
+
+def drafter_graphs(drafter: DraftModel) -> CudaGraphRunner:
+    """A drafter's graphs (spec/draft.py), captured: its forwards of one token a request, and
+    its first forward's few tokens a request (its last token, the accepted drafts and the
+    target's next: k + 2 at most) a row a token; an EAGLE head's read the target's hidden
+    states from a buffer of theirs."""
+    features = drafter.model_config.hidden_size if drafter.reads_features else 0
+    graphs = CudaGraphRunner(drafter, drafter.scratch_rows, drafter.config.num_speculative_tokens + 2,
+                             drafter.scratch_per_row, drafter.max_rows, features)
+    graphs.capture()
+    return graphs
+
+
 class CapturedGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph | EagerReplay
     hidden: torch.Tensor  # the forward's output buffer, [bucket, hidden]
@@ -92,15 +119,16 @@ class CudaGraphRunner:
     """`runner`: the target's ModelRunner, or a draft model (spec/draft.py); what it needs of
     either is the model, its attention backend, staging, device, block size and max_model_len.
     `max_query`: the longest query a step replays a graph for (each token a row); `extra_blocks`:
-    block table columns beyond max_model_len's (a draft's scratch blocks); `features`: the width
+    block table columns beyond max_model_len's (a draft's scratch blocks); `max_tokens`: the most
+    tokens a step computes (its token budget); `features`: the width
     of a second input a row, given to the model after the positions and the backend (an EAGLE
     head's target hidden states), in the model's dtype."""
 
     def __init__(self, runner: ModelRunner, max_batch_size: int, max_query: int = 1, extra_blocks: int = 0,
-                 features: int = 0) -> None:
+                 max_tokens: int = SPEC_ROWS, features: int = 0) -> None:
         self.runner = weakref.proxy(runner)  # the runner owns this; no cycle keeps a dead engine's memory
         self.max_query = max_query
-        self.buckets = graph_buckets(graph_rows(max_batch_size, max_query))
+        self.buckets = graph_buckets(graph_rows(max_batch_size, max_query, max_tokens))
         b = self.buckets[-1]
         max_blocks = -(-runner.max_model_len // runner.block_size) + extra_blocks
         with torch.device(runner.device):

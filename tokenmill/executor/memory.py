@@ -53,15 +53,16 @@ def num_kv_blocks(runner: ModelRunner, max_num_batched_tokens: int) -> int:
     return int(num_blocks)
 
 
-def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
+def checkpoint_bytes(path: Path, dtype: torch.dtype, skipped: tuple[str, ...] = ()) -> int:
     """What a checkpoint's tensors take once loaded in `dtype`, from its safetensors headers
-    (no tensor is read)."""
+    (no tensor is read), less those the model skips (`skipped`: names without "model.")."""
     from safetensors import safe_open
 
     numel = 0
     for f in safetensors_files(Path(path)):
         with safe_open(str(f), framework="pt") as st:
-            numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())
+            numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys()
+                         if name.removeprefix("model.") not in skipped)
     return numel * dtype.itemsize
 
 
@@ -85,7 +86,8 @@ def _cuda_kv_budget(runner: ModelRunner, max_tokens: int) -> int:
     non_torch = total - free - torch.cuda.memory_reserved(device)
     # this engine's share, as in vLLM (another engine in the process has its own), and never
     # more than is free once the activations have room
-    budget = min(int(total * runner.config.gpu_memory_utilization) - weights - peak - non_torch, free - peak)
+    budget = min(int(total * runner.config.gpu_memory_utilization) - weights - peak - non_torch,
+                 free - peak - runner.draft_weight_bytes)
     runner.profile = {"weights_bytes": weights, "peak_activation_bytes": peak, "non_torch_bytes": non_torch,
                       "kv_budget_bytes": budget}
     logger.info("memory profile: weights %.2f GiB, peak activations %.2f GiB at %d tokens, other %.2f GiB; "

@@ -29,7 +29,7 @@ from tokenmill.executor.attention import AttentionMetadata, select_attention_bac
 from tokenmill.executor.attention.cpu import SHORT_QUERY
 from tokenmill.executor.attention.kv_cache import CacheOwner, cache_dtype
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
-from tokenmill.executor.cuda_graphs import CudaGraphRunner
+from tokenmill.executor.cuda_graphs import CudaGraphRunner, target_graphs
 from tokenmill.executor.distributed.parallel import TensorParallel, check_tensor_parallel, shard_model_config
 from tokenmill.executor.distributed.workers import TensorParallelWorkers, WorkerGroupError
 from tokenmill.executor.fused_decoder import fused_decoder
@@ -41,7 +41,7 @@ from tokenmill.executor.prompt_logprobs import compute_prompt_logprobs, prompt_l
 from tokenmill.executor.sampler import SampledTokens, Sampler
 from tokenmill.executor.sampling_batch import build_sampling_batch
 from tokenmill.executor.spec.adaptive import StepCost
-from tokenmill.executor.spec.checkpoint import resolve_draft
+from tokenmill.executor.spec.checkpoint import resolve_draft, skipped_tensors
 from tokenmill.executor.spec.draft import DraftModel
 from tokenmill.executor.spec.eagle import EagleProposer
 from tokenmill.executor.spec.rejection import accepted_prefix
@@ -141,7 +141,8 @@ class ModelRunner(CacheOwner):
         # a draft model's KV cache shares the blocks, so each block costs its bytes too
         draft = resolve_draft(spec, model_path, model_config) if spec and spec.method in DRAFTERS else None
         self.draft_kv_bytes_per_token = draft[1].kv_bytes_per_token(self.kv_cache_dtype) if draft else 0
-        self.draft_weight_bytes = checkpoint_bytes(draft[0], dtype) if draft and device.type == "cuda" else 0
+        self.draft_weight_bytes = checkpoint_bytes(draft[0], dtype, skipped_tensors(spec, draft[1])) \
+            if draft and device.type == "cuda" else 0
         self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest can
             self.num_blocks = tp.min_int(self.num_blocks)
@@ -156,9 +157,7 @@ class ModelRunner(CacheOwner):
         # captured before the step-cost timing below, which times the steps as they run
         self.graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and not config.enforce_eager and tp is None:
-            self.graphs = CudaGraphRunner(self, max_batch_size=config.max_num_seqs,
-                                          max_query=1 + spec.num_speculative_tokens if spec else 1)
-            self.graphs.capture()
+            self.graphs = target_graphs(self, max_num_batched_tokens)
         self.step_cost: StepCost | None = None
         if spec is not None and spec.adaptive:  # what a step costs by its tokens, for choosing drafts
             self.step_cost = measure_step_cost(self, min(max_num_batched_tokens, 1024),

@@ -25,6 +25,9 @@ from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.rotary import RotaryEmbedding
 from tokenmill.executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
+# the target's tensors, which some head checkpoints carry copies of: not loaded
+SKIPPED = ("embed_tokens.weight", "lm_head.weight")
+
 
 class EagleLlamaForCausalLM(LlamaForCausalLM):
     """`cfg`: the head's config (the target's shape with one layer, checked against the target's
@@ -62,8 +65,7 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Llama's loading, less the embedding and LM head, which are the target's: a
         checkpoint that carries copies of them (some do) has them skipped."""
-        return super().load_weights((name, t) for name, t in weights
-                                    if name.removeprefix("model.") not in ("embed_tokens.weight", "lm_head.weight"))
+        return super().load_weights((name, t) for name, t in weights if name.removeprefix("model.") not in SKIPPED)
 
 
 def eagle_config(path: Path) -> ModelConfig:

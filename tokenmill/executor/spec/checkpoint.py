@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenmill.config import (DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_MODEL_DIR, DEFAULT_MODEL_DIR, ModelConfig,
                               SpeculativeConfig)
 from tokenmill.executor.loader import resolve_model_path
-from tokenmill.executor.models.llama_eagle import eagle_config
+from tokenmill.executor.models.llama_eagle import SKIPPED, eagle_config
 
 
 def resolve_draft(config: SpeculativeConfig, target_path: Path, target: ModelConfig) -> tuple[Path, ModelConfig]:
@@ -46,3 +46,11 @@ def _vocab(path: Path) -> dict[str, int] | None:
         return None
     from tokenmill.engine.detokenizer import load_tokenizer
     return load_tokenizer(path).get_vocab()
+
+
+def skipped_tensors(config: SpeculativeConfig, draft: ModelConfig) -> tuple[str, ...]:
+    """The drafter's checkpoint tensors it does not load (names without "model."): an EAGLE
+    head's copies of the target's embedding and LM head, a tied draft model's LM head."""
+    if config.method == "eagle":
+        return SKIPPED
+    return ("lm_head.weight",) if draft.tie_word_embeddings else ()

@@ -37,7 +37,7 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
-from tokenmill.executor.cuda_graphs import CudaGraphRunner
+from tokenmill.executor.cuda_graphs import CudaGraphRunner, drafter_graphs
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.spec.adaptive import StepCost, acceptance, continuation
 from tokenmill.executor.fused_decoder import fused_decoder
@@ -94,13 +94,8 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         self.kernels = kernels
         self.fused, self.fused_rows, self.fused_drafts = \
             fused_decoder(self.model, self.kv_cache, self.attn, kernels, self.vocab) or (None, 0, False)
-        # where the target's steps replay CUDA graphs, so do the draft's forwards that fit (one token a
-        # request, or forward 1's few); an EAGLE head's with the target's hidden states in a buffer too
-        self.graphs: CudaGraphRunner | None = None
-        if runner.graphs is not None:
-            self.graphs = CudaGraphRunner(self, runner.config.max_num_seqs, config.num_speculative_tokens + 2,
-                                          self.scratch_per_row, runner.model_config.hidden_size * self.reads_features)
-            self.graphs.capture()
+        # with the target's CUDA graphs, the draft's forwards that fit replay graphs of their own
+        self.graphs: CudaGraphRunner | None = drafter_graphs(self) if runner.graphs is not None else None
         self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V is in the cache
         self.drafts: dict[str, list[int]] = {}  # made this step, for the next
         self.prior = 0.5  # acceptance over all requests so far: the start of each request's own

@@ -47,6 +47,9 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     changes = {m.small_rows + 1 for m in runner.model.modules() if isinstance(m, Linear) and m.small is not None}
     counts = sorted({*counts, *(n for n in changes if n <= min(max_tokens, num_blocks))})
     wide = min(16, counts[-1])
+    graphs = getattr(runner, "graphs", None)  # on CUDA, steps that fit replay a graph as in the step
+    if graphs is not None and graphs.buckets:  # so the verification samples below fit one, as small steps do
+        wide = max(1, min(wide, graphs.buckets[-1] // verify))
     context = max(2, min(context, runner.max_model_len - 1, num_blocks // wide * bs))
     per_seq = -(-context // bs)
     backend = runner.make_backend(runner.kv_cache)
@@ -56,7 +59,6 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
     # target's (ModelRunner._forward_fused)
     one_call = getattr(runner, "fused_rows", 0)
     drafter = hasattr(runner, "decode_rows")
-    graphs = getattr(runner, "graphs", None)  # on CUDA, steps that fit replay a graph as in the step
     if argmax is None:
         def argmax(hidden: torch.Tensor) -> torch.Tensor:
             return runner.sampler._argmax(runner.model.compute_logits(hidden))
