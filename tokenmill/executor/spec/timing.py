@@ -75,8 +75,10 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
             runs += 1
             start = time.perf_counter()
             seq_lens = np.full(n, seq_len, dtype=np.int32)
-            if drafter and query == 1 and n <= one_call:
-                runner.decode_rows(positions, block_table, [0] * n)
+            if drafter and n * query <= one_call:  # (a catch-up too: each token a row, as in DraftModel._run)
+                rows = block_table if query == 1 else block_table[np.repeat(np.arange(n), query)]
+                runner.decode_rows(positions, rows, [0] * (n * query),
+                                   None if query == 1 else np.arange(query - 1, n * query, query))
             else:
                 runner.staging.begin()
                 zeros = np.zeros(n * query, dtype=np.int64)
