@@ -76,7 +76,7 @@ class DraftVocab:
             for start in range(0, hidden_size, CHUNK):  # logits of unit vectors: the head's columns
                 n = min(CHUNK, hidden_size - start)
                 units = torch.zeros(n, hidden_size, dtype=dtype, device=device)
-                units[torch.arange(n), torch.arange(start, start + n)] = 1
+                units[:, start:start + n] = torch.eye(n, dtype=dtype, device=device)
                 rows.append(model.compute_logits(units)[:, self.ids] - bias)
             weight = torch.cat(rows).T.contiguous()
         has_bias = bool(bias.any())
