@@ -129,6 +129,38 @@ def test_verification_steps_replay_graphs_a_row_a_token(checkpoints, method):
         assert 1 in timed and 12 in timed  # a decode of one request; verifications of 4 tokens for 3
 
 
+@pytest.mark.parametrize("engine_args", [dict(max_num_batched_tokens=4), dict(kv_cache_memory=4 * 4096)],
+                         ids=["chunks-of-4", "preemption"])
+def test_prompt_chunks_preemption_and_prefix_hits_through_verification_graphs(checkpoints, engine_args):
+    """Prompt chunks of up to k + 1 tokens replay the graphs a row a token too; preemption
+    (4 blocks of 16 tokens for 3 requests) and a second pass's prefix hits run through them:
+    n-gram's outputs are those of the engine without graphs."""
+    path = str(checkpoints("llama_tied_llama3rope"))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+            "adaptive": False}
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    args = {**dict(dtype="float32", kv_cache_memory="8MiB", attention_backend="triton", max_num_seqs=3,
+                   speculative_config=spec), **engine_args}
+    eager = LLM(path, **args)
+    expected = [o.outputs[0].token_ids for _ in range(2) for o in eager.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, **args)
+    runner = llm.engine.runner
+    runner.graphs = target_graphs(runner, engine_args.get("max_num_batched_tokens", 64))
+    target, _ = recording(runner.graphs)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    second = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + second] == expected
+    assert any(o.metrics.num_cached_tokens > 0 for o in second)
+    assert max(target) > 1
+    if "kv_cache_memory" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    else:
+        assert runner.graphs.buckets == [1, 2, 4]  # within the step's 4 tokens
+    llm.engine.kv_cache.check_integrity()
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_profile_forward_runs_the_largest_step_on_a_throwaway_cache(checkpoints, backend):
     llm = LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory="8MiB", attention_backend=backend,
