@@ -14,8 +14,8 @@ of its own, its request's block table row and a context up to itself (as the dec
 rows of a short query are in the CPU backend): each layer writes every row's K/V before
 its attention reads them, so a row sees the rows before it. The buckets then go up to
 max_num_seqs x max_query rows (at most SPEC_ROWS and the step's token budget, never fewer
-than max_num_seqs);
-a longer step runs eagerly. Prompt chunks no longer than max_query go the same way.
+than max_num_seqs); a longer step runs eagerly. Prompt chunks no longer than max_query go
+the same way.
 
 Only a backend whose launches depend on nothing but the batch size can be captured
 (`graph_safe`): the Triton backend, whose decode grid is (decodes, kv heads, splits)
@@ -120,9 +120,9 @@ class CudaGraphRunner:
     either is the model, its attention backend, staging, device, block size and max_model_len.
     `max_query`: the longest query a step replays a graph for (each token a row); `extra_blocks`:
     block table columns beyond max_model_len's (a draft's scratch blocks); `max_tokens`: the most
-    tokens a step computes (its token budget); `features`: the width
-    of a second input a row, given to the model after the positions and the backend (an EAGLE
-    head's target hidden states), in the model's dtype."""
+    tokens a step computes (its token budget); `features`: the width of a second input a row,
+    given to the model after the positions and the backend (an EAGLE head's target hidden
+    states), in the model's dtype."""
 
     def __init__(self, runner: ModelRunner, max_batch_size: int, max_query: int = 1, extra_blocks: int = 0,
                  max_tokens: int = SPEC_ROWS, features: int = 0) -> None:
