@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from tokenmill.executor.attention import AttentionMetadata
+from tokenmill.executor.attention import AttentionMetadata, token_rows
 
 if TYPE_CHECKING:
     from tokenmill.executor.model_runner import ModelRunner
@@ -206,7 +206,7 @@ class CudaGraphRunner:
         as in timing)."""
         n = len(input_ids)
         if n != len(query_lens):  # a row a token: its request's blocks, its context up to itself
-            block_table = block_table[np.repeat(np.arange(len(query_lens)), query_lens)]
+            block_table = token_rows(block_table, query_lens)
             seq_lens = (positions + 1).astype(np.int32)
         b = next(x for x in self.buckets if x >= n)
         pad = b - n

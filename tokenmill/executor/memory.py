@@ -70,8 +70,7 @@ def _cuda_kv_budget(runner: ModelRunner, max_tokens: int) -> int:
     device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    # the drafter's weights (speculative decoding) come after the cache: counted here
-    weights = torch.cuda.memory_allocated(device) - runner.memory_baseline + runner.draft_weight_bytes
+    weights = torch.cuda.memory_allocated(device) - runner.memory_baseline
     torch.cuda.reset_peak_memory_stats(device)
     try:
         profile_forward(runner, max_tokens)
@@ -79,13 +78,15 @@ def _cuda_kv_budget(runner: ModelRunner, max_tokens: int) -> int:
         raise ValueError(f"CUDA ran out of memory in the profiling forward of {max_tokens} tokens; lower "
                          f"max_num_batched_tokens or max_num_seqs, or raise gpu_memory_utilization") from e
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - (weights - runner.draft_weight_bytes) - runner.memory_baseline
+    peak = torch.cuda.max_memory_allocated(device) - weights - runner.memory_baseline
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     # memory in use that torch's allocator does not hold: the CUDA context, other processes
     non_torch = total - free - torch.cuda.memory_reserved(device)
     # this engine's share, as in vLLM (another engine in the process has its own), and never
-    # more than is free once the activations have room
+    # more than is free once the activations have room; a drafter's weights (speculative
+    # decoding) load after the cache, so their room is kept here
+    weights += runner.draft_weight_bytes
     budget = min(int(total * runner.config.gpu_memory_utilization) - weights - peak - non_torch,
                  free - peak - runner.draft_weight_bytes)
     runner.profile = {"weights_bytes": weights, "peak_activation_bytes": peak, "non_torch_bytes": non_torch,

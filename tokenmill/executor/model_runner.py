@@ -25,7 +25,7 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.request import TokenLogprobs
 from tokenmill.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
+from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_rows, token_slots
 from tokenmill.executor.attention.cpu import SHORT_QUERY
 from tokenmill.executor.attention.kv_cache import CacheOwner, cache_dtype
 from tokenmill.executor.cpu_kernels import load_cpu_kernels
@@ -334,10 +334,9 @@ class ModelRunner(CacheOwner):
         ids = t(step.input_ids)
         if fill is not None:
             ids[fill[0]] = fill[1]
-        request = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
         return self.kernels.small_llama_decode(self.fused, ids, t(step.positions), t(step.slot_mapping),
-                                               t(step.block_table[request]), t((step.positions + 1).astype(np.int32)),
-                                               self.block_size)
+                                               t(token_rows(step.block_table, step.query_lens)),
+                                               t((step.positions + 1).astype(np.int32)), self.block_size)
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInput) -> None:

@@ -1,4 +1,4 @@
 from tokenmill.executor.attention.base import (ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata,
-                                               select_attention_backend, token_slots)
+                                               select_attention_backend, token_rows, token_slots)
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "select_attention_backend", "token_slots"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "select_attention_backend", "token_rows", "token_slots"]

@@ -64,6 +64,13 @@ def token_slots(query_lens: np.ndarray, num_computed: np.ndarray, block_table: n
     return positions, slots
 
 
+def token_rows(block_table: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
+    """Each of a step's flattened tokens' request's row of `block_table`: the step laid out a row
+    a token, each attending to its context up to itself (the one-call forwards, the graphs'
+    verification rows)."""
+    return block_table[np.repeat(np.arange(len(query_lens)), query_lens)]
+
+
 class AttentionBackend(Protocol):
     """Owns the paged KV cache of every layer. `begin_step` is called once per step
     with that step's metadata; the model then calls the backend once per layer."""

@@ -35,7 +35,7 @@ import torch
 from tokenmill.config import ModelConfig, SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_slots
+from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_rows, token_slots
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.cuda_graphs import CudaGraphRunner, drafter_graphs
 from tokenmill.executor.loader import load_model
@@ -237,7 +237,7 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         # the rows past each drafting request's last known token and the step's are a catch-up
         if self.fused is not None and len(ids) <= self.fused_rows:  # each token a row of its own
             at, _ = token_slots(query_lens, starts, table, self.block_size)
-            tokens = self._decode_rows(at, table[np.repeat(np.arange(len(rows)), query_lens)], ids, last, caught_up)
+            tokens = self._decode_rows(at, token_rows(table, query_lens), ids, last, caught_up)
         else:
             tokens, _ = self._forward(query_lens, starts, table, ids, last, caught_up)
         for _, request, start, chunk in chunks:

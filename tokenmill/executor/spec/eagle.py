@@ -32,7 +32,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.attention import token_slots
+from tokenmill.executor.attention import token_rows, token_slots
 from tokenmill.executor.loader import building, fill_weights, safetensors_files
 from tokenmill.executor.models.llama_eagle import EagleLlamaForCausalLM
 from tokenmill.executor.spec.draft import DraftModel
@@ -224,7 +224,7 @@ class EagleProposer(DraftModel):
             source = source[t(rows.astype(np.int64))]
         positions, slots = token_slots(query_lens, starts, table, self.block_size)
         if len(ids) != len(table):
-            table = table[np.repeat(np.arange(len(table)), query_lens)]
+            table = token_rows(table, query_lens)
         at = t(np.asarray(logits_rows, dtype=np.int64))
         if self.fused_drafts:
             tokens, hidden = self.kernels.small_eagle_draft(self.fused, ids, source, t(positions), t(table),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.executor.attention import AttentionMetadata, token_slots
+from tokenmill.executor.attention import AttentionMetadata, token_rows, token_slots
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.spec.adaptive import StepCost
 from tokenmill.executor.step_input import StepInput
@@ -76,8 +76,7 @@ def measure_step_cost(runner: ModelRunner, max_tokens: int, repeats: int = 2, co
             start = time.perf_counter()
             seq_lens = np.full(n, seq_len, dtype=np.int32)
             if drafter and n * query <= one_call:  # (a catch-up too: each token a row, as in DraftModel._run)
-                rows = block_table if query == 1 else block_table[np.repeat(np.arange(n), query)]
-                runner.decode_rows(positions, rows, [0] * (n * query),
+                runner.decode_rows(positions, token_rows(block_table, query_lens), [0] * (n * query),
                                    None if query == 1 else np.arange(query - 1, n * query, query))
             else:
                 runner.staging.begin()
