@@ -47,6 +47,9 @@ spec         benchmarks/speculative.py on the device (benchmarks/gpu_spec.py): t
              --spec-concurrency (1,16), both prompt sets; verification steps replay the target's
              CUDA graphs, the drafters' forwards their own. Not in the default --only (it needs
              about 4 minutes): run it as `--only spec` or beside other sections.
+spec_attn    one layer's attention in a verification step of k = 4 as the graphs run it (a row a
+             token), each row reading its context against each request's rows reading it once
+             (gpu_spec.verify_attention). Not in the default --only.
 
 Targets (issue 14): >= 12,000 output tok/s on an H100; >= 10x HF static and >= 3x HF
 continuous batching; decode steps at batch 64 and 256 within 1.5x of the roofline; graphs
@@ -356,6 +359,8 @@ def main() -> None:
     p.add_argument("--spec-rounds", type=int, default=2, help="section spec's rounds")
     p.add_argument("--spec-methods", default="ngram,draft,eagle", help="section spec's methods (speculative.py's)")
     p.add_argument("--spec-timeout-s", type=float, default=300.0)
+    p.add_argument("--spec-attn-shapes", default="1x1024,16x1024,64x2048",
+                   help="section spec_attn's requests x context")
     p.add_argument("--smoke", action="store_true", help="a tiny shape and workload, to check the script itself")
     args = p.parse_args()
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
@@ -369,7 +374,7 @@ def main() -> None:
         args.num_requests, args.hf_requests, args.max_num_seqs, args.cb_output_len = 24, 8, 8, 16
         args.fp8_8b_requests = 8
         args.hf_batch_sizes, args.step_batches, args.step_context = [4, 8], [1, 4], 64
-        args.spec_concurrency, args.spec_rounds = "1", 1
+        args.spec_concurrency, args.spec_rounds, args.spec_attn_shapes = "1", 1, "2x40"
         if not torch.cuda.is_available():
             args.dtype = "float32"
     only = set(args.only.split(","))
@@ -379,7 +384,8 @@ def main() -> None:
                            ("fp8_quality", partial(gpu_quant.fp8_quality, bench), 60), ("steps", bench.steps, 60),
                            ("profile", bench.profile, 40), ("hf", bench.hf, 170), ("hf_cb", bench.hf_cb, 150),
                            ("llama8b", bench.llama8b, 90), ("fp8_8b", partial(gpu_quant.fp8_8b, bench), 180),
-                           ("spec", partial(gpu_spec.spec, bench), 240)]:
+                           ("spec", partial(gpu_spec.spec, bench), 240),
+                           ("spec_attn", partial(gpu_spec.verify_attention, bench), 20)]:
         if name in only:
             bench.section(name, fn, 0 if args.smoke else cost)
     bench.table()

@@ -39,10 +39,11 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
 
 
-def check(dtype, query_lens, seq_lens, heads, kv_heads, dim, block_size, num_splits=None, seed=0, kv_dtype=None):
+def check(dtype, query_lens, seq_lens, heads, kv_heads, dim, block_size, num_splits=None, seed=0, kv_dtype=None,
+          max_span=None):
     out, ref, backend = run_backend(triton_backend(num_splits), dtype, query_lens, seq_lens, seed=seed, heads=heads,
                                     kv_heads=kv_heads, dim=dim, block_size=block_size, fill=float("nan"),
-                                    device=DEVICE, kv_dtype=kv_dtype)
+                                    device=DEVICE, kv_dtype=kv_dtype, max_span=max_span)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
     return backend
@@ -68,6 +69,30 @@ def test_block_sizes(poisoned_outputs, block_size):
 def test_split_kv_decode(poisoned_outputs, num_splits):
     backend = check(torch.bfloat16, *DECODES, heads=8, kv_heads=2, dim=64, block_size=16, num_splits=num_splits)
     assert backend.plan.chunks is None and backend.plan.decodes.num_splits == num_splits
+
+
+# a verification step as CUDA graphs run it: queries of 1..5 tokens (0..4 drafts), a row a token
+VERIFY = ([5, 1, 3, 5, 2], [40, 17, 90, 250, 5])
+
+
+@pytest.mark.parametrize("max_span, spans", [(5, [5, 0, 0, 0, 0, 1, 3, 0, 0, 5, 0, 0, 0, 0, 2, 0]),
+                                             (2, [2, 0, 2, 0, 1, 1, 2, 0, 1, 2, 0, 2, 0, 1, 2, 0])])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["g4", "mqa8", "g1"])
+def test_rows_of_a_request_share_a_read_of_its_context(poisoned_outputs, max_span, spans, num_splits, heads,
+                                                       kv_heads):
+    """A row a token (AttentionMetadata.row_spans): the first row of each run of a request's rows
+    attends for the run, each row over its context up to itself; the rows after it end at once."""
+    backend = check(torch.float32, *VERIFY, heads=heads, kv_heads=kv_heads, dim=32, block_size=16,
+                    num_splits=num_splits, max_span=max_span, seed=6)
+    d = backend.plan.decodes
+    assert backend.plan.chunks is None and d.span == max_span and d.spans.tolist() == spans
+
+
+def test_rows_in_runs_in_16_bits_and_an_8_bit_cache(poisoned_outputs):
+    check(torch.bfloat16, *VERIFY, heads=8, kv_heads=2, dim=64, block_size=16, num_splits=3, max_span=5, seed=7)
+    check(torch.float16, *VERIFY, heads=8, kv_heads=2, dim=32, block_size=32, max_span=5, seed=8,
+          kv_dtype=torch.int8)
 
 
 def test_long_chunk_after_prefix_hit(poisoned_outputs):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tokenmill.executor.attention.base import AttentionMetadata, default_to_device
+from tokenmill.executor.attention.base import AttentionMetadata, default_to_device, row_spans, token_rows
 from tokenmill.executor.attention.cpu import CpuBackend
 from tokenmill.executor.attention.kv_cache import KVCache, dequantize_rows, quantize_rows
 from tokenmill.executor.attention.torch_ref import TorchBackend
@@ -44,11 +44,12 @@ def as_kv_cache(cache, kv_dtype):
 
 
 def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                block_size=BS, fill=0.0, device="cpu", kv_dtype=None):
+                block_size=BS, fill=0.0, device="cpu", kv_dtype=None, max_span=None):
     """make_backend(KVCache, block_size, heads) -> backend. fill: what the cache holds outside the
     requests' contexts (NaN shows any read of it; the torch path's gathers read whole blocks
     and mask, so it needs finite values there). kv_dtype: an 8-bit cache dtype (the reference
-    then attends to K/V as the cache gives them back)."""
+    then attends to K/V as the cache gives them back). max_span: the step laid out a row a token
+    (as CUDA graphs run a verification step), its rows in runs of up to max_span (row_spans)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = max(NUM_BLOCKS, 2 * sum(-(-L // block_size) for L in seq_lens))
     cache = torch.full((1, 2, num_blocks * block_size, kv_heads, dim), fill, dtype=dtype)
@@ -72,10 +73,16 @@ def run_backend(make_backend, dtype, query_lens, seq_lens, seed=0, heads=HEADS, 
     width = max(len(t) for t in tables)
     q = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
     cache = cache.to(device)
-    md = AttentionMetadata.from_host(
-        np.array(query_lens, dtype=np.int32), np.array(seq_lens, dtype=np.int32),
-        np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32),
-        torch.tensor(slots, dtype=torch.long, device=device), block_size, default_to_device(cache.device))
+    lens, table = np.array(query_lens, dtype=np.int32), np.array([t + [0] * (width - len(t)) for t in tables],
+                                                                 dtype=np.int32)
+    contexts = np.array(seq_lens, dtype=np.int32)
+    if max_span is not None:  # a row a token, its context up to itself
+        contexts = np.concatenate([np.arange(L - n + 1, L + 1) for n, L in zip(query_lens, seq_lens)]).astype(np.int32)
+        lens, table, spans = np.ones(len(contexts), dtype=np.int32), token_rows(table, lens), row_spans(lens, max_span)
+    md = AttentionMetadata.from_host(lens, contexts, table, torch.tensor(slots, dtype=torch.long, device=device),
+                                     block_size, default_to_device(cache.device))
+    if max_span is not None:
+        md.row_spans, md.max_span = torch.from_numpy(spans).to(device), max_span
     backend = make_backend(as_kv_cache(cache, kv_dtype), block_size, heads)
     backend.begin_step(md)
     # strided views of one fused qkv row per token, as the model passes them

@@ -77,6 +77,20 @@ def recording(graphs: CudaGraphRunner) -> tuple[list[int], list[int]]:
     return tokens, buckets
 
 
+def longest_runs(graphs: CudaGraphRunner) -> list[int]:
+    """The longest run of one request's rows (row_spans) in each step graphs runs, from now on."""
+    longest = []
+    run = graphs.run
+
+    def counted(*args, **kwargs):
+        hidden = run(*args, **kwargs)
+        longest.append(int(graphs.row_spans.max()))
+        return hidden
+
+    graphs.run = counted
+    return longest
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 def test_verification_steps_replay_graphs_a_row_a_token(checkpoints, method):
     """With speculation, a step that verifies k drafts a request replays a graph with each token
@@ -103,6 +117,7 @@ def test_verification_steps_replay_graphs_a_row_a_token(checkpoints, method):
     runner.graphs = target_graphs(runner, 64)  # as the runner captures them on CUDA
     assert runner.graphs.buckets == [1, 2, 4, 8, 12]
     target, target_buckets = recording(runner.graphs)
+    target_spans = longest_runs(runner.graphs)
     drafter = runner.drafter
     if drafter is not None:
         assert drafter.fused is None  # (beside Triton the layers are not the one-call forward's)
@@ -116,11 +131,14 @@ def test_verification_steps_replay_graphs_a_row_a_token(checkpoints, method):
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert [stats[c] for c in counts] == [eager.engine.stats()[c] for c in counts]
     assert max(target) > 3 and max(target_buckets) >= 8  # a verification of several tokens a request
+    # each request's rows read its context once: the attention's runs of up to k + 1 rows
+    assert {g.plan.decodes.span for g in runner.graphs.graphs.values()} == {4} and max(target_spans) > 1
     if method == "draft_model":
         assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]  # its own draft
     if drafter is not None:
         assert max(drafts) > 3 and drafts.count(3) > 0  # forward 1's catch-ups, then a token a request
         assert len(draft_buckets) == len(drafts)
+        assert {g.plan.decodes.span for g in drafter.graphs.graphs.values()} == {5}  # k + 2
     llm.engine.kv_cache.check_integrity()
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
     if method == "ngram":  # adaptive speculation's start-up timing replays the graphs as the steps do

@@ -12,7 +12,9 @@ With speculative decoding a step verifies up to k drafts a request: a query of u
 k + 1 tokens (`max_query`). Such a step replays the same graphs with each token a row
 of its own, its request's block table row and a context up to itself (as the decode
 rows of a short query are in the CPU backend): each layer writes every row's K/V before
-its attention reads them, so a row sees the rows before it. The buckets then go up to
+its attention reads them, so a row sees the rows before it. A static `row_spans` buffer
+marks each request's run of rows, so that the attention reads its context once for the
+run (attention/triton.py), not once a row. The buckets then go up to
 max_num_seqs x max_query rows (at most SPEC_ROWS and the step's token budget, never fewer
 than max_num_seqs); a longer step runs eagerly. Prompt chunks no longer than max_query go
 the same way.
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from tokenmill.executor.attention import AttentionMetadata, token_rows
+from tokenmill.executor.attention import AttentionMetadata, row_spans, token_rows
 
 if TYPE_CHECKING:
     from tokenmill.executor.model_runner import ModelRunner
@@ -138,7 +140,9 @@ class CudaGraphRunner:
             self.seq_lens = torch.zeros(b, dtype=torch.int32)
             self.query_start_loc = torch.arange(b + 1, dtype=torch.int32)
             self.block_table = torch.zeros(b, max_blocks, dtype=torch.int32)
+            self.row_spans = torch.ones(b, dtype=torch.int32)  # a row a decode: each its own
             self.features = torch.zeros(b, features, dtype=next(runner.model.parameters()).dtype) if features else None
+        self.spans = False  # whether row_spans holds a row-a-token step's runs
         self.graphs: dict[int, CapturedGraph] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -178,7 +182,7 @@ class CudaGraphRunner:
             # the split count is planned for the longest context the bucket may see
             seq_lens_cpu=np.full(b, runner.max_model_len, dtype=np.int32),
             block_table_cpu=np.zeros((b, self.block_table.shape[1]), dtype=np.int32),
-            block_size=runner.block_size)
+            block_size=runner.block_size, row_spans=self.row_spans[:b], max_span=self.max_query)
         runner.staging.begin()
         attn.begin_step(md)  # outside the capture: the plan's tensors are made once, then only read
         runner.staging.end()
@@ -205,12 +209,17 @@ class CudaGraphRunner:
         ids after the copy. `features`: the second input's rows (none: what the buffer holds,
         as in timing)."""
         n = len(input_ids)
-        if n != len(query_lens):  # a row a token: its request's blocks, its context up to itself
-            block_table = token_rows(block_table, query_lens)
-            seq_lens = (positions + 1).astype(np.int32)
         b = next(x for x in self.buckets if x >= n)
         pad = b - n
         put = self.runner.staging.to_device
+        spans = n != len(query_lens)
+        if spans:  # a row a token: its request's blocks, its context up to itself
+            block_table = token_rows(block_table, query_lens)
+            seq_lens = (positions + 1).astype(np.int32)
+            put(_padded(row_spans(query_lens, self.max_query), pad, 1), out=self.row_spans[:b])
+        elif self.spans:  # the runs of the last step undone (a decode step finds the buffer all ones)
+            self.row_spans.fill_(1)
+        self.spans = spans
         put(_padded(input_ids, pad), out=self.input_ids[:b])
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]

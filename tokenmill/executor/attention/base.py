@@ -43,6 +43,12 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray  # [B] int32
     block_table_cpu: np.ndarray  # [B, max_blocks] int32
     block_size: int
+    # a step laid out a row a token (`token_rows`: CUDA graphs' verification steps): for the first
+    # row of each run of up to `max_span` rows of one request, the run's length, 0 for the rows
+    # after it (`row_spans`). A backend may read each run's context once for all its rows,
+    # each row seeing its context up to itself. None: every row attends on its own.
+    row_spans: torch.Tensor | None = None  # [B] int32
+    max_span: int = 1
 
     @classmethod
     def from_host(cls, query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
@@ -69,6 +75,16 @@ def token_rows(block_table: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
     a token, each attending to its context up to itself (the one-call forwards, the graphs'
     verification rows)."""
     return block_table[np.repeat(np.arange(len(query_lens)), query_lens)]
+
+
+def row_spans(query_lens: np.ndarray, max_span: int) -> np.ndarray:
+    """The `row_spans` of a step laid out a row a token (`token_rows`): each request's rows in
+    runs of at most `max_span`, each run's length on its first row, 0 on the others."""
+    n = int(query_lens.sum())
+    first = np.cumsum(query_lens) - query_lens  # each request's first row
+    since = np.arange(n) - np.repeat(first, query_lens)  # a row's place in its request
+    left = np.repeat(query_lens, query_lens) - since  # its request's rows from it on
+    return np.where(since % max_span == 0, np.minimum(left, max_span), 0).astype(np.int32)
 
 
 class AttentionBackend(Protocol):

@@ -27,6 +27,11 @@ Work split:
   into NUM_SPLITS ranges (flash-decoding) so that small batches with long contexts
   still fill the GPU; `_merge_splits` combines the partial results by their
   log-sum-exp. The grid depends only on the batch, so CUDA graphs capture it.
+  A step laid out a row a token (CUDA graphs' verification steps: AttentionMetadata's
+  `row_spans`) has each request's rows read its context once: the first row's program
+  takes the run's tokens x G heads as its tile's rows, each row masked to its context up
+  to itself, and the programs of the rows after it end at once. Without it each row of a
+  verification of k drafts read the whole context, k + 1 reads a request.
 Bound: both attention kernels read K/V once per (request, kv head, query tile),
 so decode is bound by the cache bytes over HBM bandwidth, which an 8-bit cache
 (kv_cache_dtype; kv_cache.py's layout) halves: `write_kv` quantizes each row, `_attend`
@@ -160,25 +165,37 @@ def _chunk_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sc
 
 @triton.jit
 def _decode_attention(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                      v_scale_ptr, block_table_ptr, rows_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2,
+                      v_scale_ptr, block_table_ptr, rows_ptr, spans_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_head, G: tl.constexpr,
-                      BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                      QUANT: tl.constexpr):
+                      BLOCK_M: tl.constexpr, SPAN: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr,
+                      PRECISION: tl.constexpr, QUANT: tl.constexpr):
+    """A program per (decode row, kv head, split). SPAN > 1 (a step laid out a row a token): the
+    row leads spans[i] rows of one request (0: another row leads it, and the program ends), their
+    G heads each the tile's rows (row = token * G + head), so that one read of the context serves
+    them all, each seeing it up to itself."""
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(rows_ptr + i)
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + req)
+    span = 1
+    if SPAN > 1:
+        span = tl.load(spans_ptr + i)
+        if span == 0:
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
-    head = kv_head * G + offs_m
-    row_valid = offs_m < G
+    tok = offs_m // G
+    head = kv_head * G + offs_m % G
+    row_valid = (offs_m < SPAN * G) & (tok < span)
+    req = tl.load(rows_ptr + i + tok, mask=row_valid, other=0)
+    token = tl.load(query_start_loc_ptr + req, mask=row_valid, other=0).to(tl.int64)
+    row_len = tl.load(seq_lens_ptr + req, mask=row_valid, other=0)
+    seq_len = tl.max(row_len, 0)  # the span's longest context: its last row's
     io_mask = row_valid[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask,
+                other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -188,20 +205,21 @@ def _decode_attention(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1  # the decode sees its whole context
+    q_pos = row_len - 1  # a row sees its context up to itself
+    req0 = tl.load(rows_ptr + i)  # the span's request: its rows share a block table
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, row_valid, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                            block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, lo, hi, scale_log2,
+                            block_table_ptr + req0.to(tl.int64) * stride_bt, kv_head, lo, hi, scale_log2,
                             stride_slot, stride_head, BLOCK_SIZE, TILE_N, HEAD_DIM, D_PAD, UPCAST, PRECISION, QUANT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         # partials: [decodes, heads, NUM_SPLITS, D_PAD] and [decodes, heads, NUM_SPLITS]; an empty
         # split (or a padding row, seq_len 0) leaves lse = -inf and weighs nothing
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         num_heads = tl.num_programs(1) * G
-        base = (i.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        base = ((i + tok).to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_out_ptr + base[:, None] * D_PAD + offs_d[None, :], out, mask=row_valid[:, None])
         tl.store(part_lse_ptr + base, lse, mask=row_valid)
 
@@ -240,6 +258,10 @@ class DecodeWork(NamedTuple):
     num_splits: int
     part_out: torch.Tensor | None  # [D, heads, splits, D_PAD] float32 when split
     part_lse: torch.Tensor | None  # [D, heads, splits] float32
+    # a step laid out a row a token (AttentionMetadata.row_spans): the runs of rows one read of
+    # a context serves, and the longest (1: every row on its own)
+    spans: torch.Tensor | None = None  # [D] int32
+    span: int = 1
 
 
 class TritonPlan(NamedTuple):
@@ -326,6 +348,8 @@ class TritonBackend:
         if len(decodes):
             splits = self.decode_splits(len(decodes), int(md.seq_lens_cpu[decodes].max()))
             decode_work = self.decode_work(self.to_device(decodes), splits)
+            if md.row_spans is not None and md.max_span > 1 and chunk_work is None:  # every row a decode
+                decode_work = decode_work._replace(spans=md.row_spans, span=md.max_span)
         self.plan = TritonPlan(md, chunk_work, decode_work)
 
     def decode_splits(self, num_decodes: int, max_seq_len: int) -> int:
@@ -377,9 +401,10 @@ class TritonBackend:
             n = len(d.rows)
             _decode_attention[(n, self.kv_heads, d.num_splits)](
                 out, d.part_out, d.part_lse, q, k_cache, v_cache, k_scales, v_scales, md.block_table, d.rows,
-                md.query_start_loc, md.seq_lens, self.scale_log2, q.stride(0), q.stride(1), out.stride(0),
-                out.stride(1), md.block_table.stride(0), stride_slot, stride_head, G=self.group,
-                BLOCK_M=self.decode_block_m, NUM_SPLITS=d.num_splits, **{**common, "TILE_N": self.decode_tile_n})
+                d.rows if d.spans is None else d.spans, md.query_start_loc, md.seq_lens, self.scale_log2,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_table.stride(0), stride_slot,
+                stride_head, G=self.group, BLOCK_M=max(self.decode_block_m, _pow2(d.span * self.group)),
+                SPAN=d.span, NUM_SPLITS=d.num_splits, **{**common, "TILE_N": self.decode_tile_n})
             if d.num_splits > 1:
                 _merge_splits[(n, self.num_heads)](out, d.part_out, d.part_lse, d.rows, md.query_start_loc,
                                                    out.stride(0), out.stride(1), NUM_SPLITS=d.num_splits,
