@@ -161,6 +161,23 @@ def near_ties_at_most(expected, ours, most_parted: int = 1) -> None:
     assert parted <= most_parted
 
 
+def strict(obj, name: str) -> list[int]:
+    """obj.name run with every implicit host sync an error (a step's later draft forwards are
+    launched without one, spec/chain.py); the calls counted, from now on."""
+    calls, method = [], getattr(obj, name)
+
+    def run(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            calls.append(1)
+
+    setattr(obj, name, run)
+    return calls
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_with_graphs_equals_plain_decoding(checkpoint, method):
     """Verification steps replay the target's graphs a row a token, and a draft model's forwards
@@ -179,6 +196,7 @@ def test_speculative_decoding_with_graphs_equals_plain_decoding(checkpoint, meth
     if method == "draft_model":
         assert runner.drafter.graphs is not None and runner.drafter.graphs.graphs
         drafts, _ = recording(runner.drafter.graphs)
+        chained = strict(runner.drafter, "_chain_forwards")
     ours = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     stats = llm.engine.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0
@@ -186,6 +204,7 @@ def test_speculative_decoding_with_graphs_equals_plain_decoding(checkpoint, meth
     if method == "draft_model":
         assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"]
         assert drafts.count(len(PROMPTS)) > 0  # later drafts, a token a request
+        assert chained  # forwards 2 to k launched without a wait for the device
     near_ties_at_most(plain, ours)
     llm.engine.kv_cache.check_integrity()
     del llm, runner
@@ -202,8 +221,10 @@ def test_eagle_head_on_the_built_in_model():
         gc.collect()
         torch.cuda.empty_cache()
         llm = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=8, speculative_config=spec)
+        chained = strict(llm.engine.runner.drafter, "_chain_forwards") if spec else None
         outs[name] = llm.generate(prompts, params, use_tqdm=False)
         if spec:
+            assert chained  # the head's later forwards launched without a wait for the device
             assert llm.engine.runner.drafter.graphs.features is not None
             assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
             llm.engine.kv_cache.check_integrity()

@@ -56,14 +56,17 @@ def reference_drafts(target, head: EagleHead, tokens: list[int], k: int,
     return drafts
 
 
-@pytest.mark.parametrize("waits", [False, True, "rests"], ids=["fixed", "adaptive-waits", "adaptive-rests"])
+@pytest.mark.parametrize("waits", [False, True, "rests", "modules"],
+                         ids=["fixed", "adaptive-waits", "adaptive-rests", "fixed-modules"])
 def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits, monkeypatch):
     """Prompts longer than the step's token budget arrive in chunks, whose pairs wait for the
     request's first drafting step; one request is held back by min_tokens for its first 10
     tokens, its pairs waiting meanwhile; `waits`: adaptive speculation, made to give every
     request no drafts in two choices of three, so that verified pairs wait too; asked every
     step, or ("rests") after rests of 1, 2, ... steps that ask nothing and keep every pair
-    (logged, when each request computes one token, and handed out later).
+    (logged, when each request computes one token, and handed out later); "modules": the head
+    through its modules, not its one-call forward, as on a GPU (a step's later forwards fed the
+    drafts before on the device, spec/chain.py).
     After each step every request's drafts equal the dense reference's for its tokens (an
     off-by-one in pairing tokens with hidden states, or a lost chunk, changes most)."""
     from transformers import AutoModelForCausalLM
@@ -71,7 +74,11 @@ def test_engine_drafts_are_the_heads_over_the_targets_hidden_states(eagle, waits
     from tokenmill.executor.spec import rests as drafter
     from tokenmill.executor.spec.eagle import EagleProposer
 
-    if waits:
+    if waits == "modules":
+        eagle = LLM(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=96, speculative_config=SPEC)
+        eagle.engine.runner.drafter.fused, eagle.engine.runner.drafter.fused_drafts = None, False
+        waits = False
+    elif waits:
         eagle = LLM(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=96,
                     speculative_config={**SPEC, "adaptive": True})
         calls = itertools.count()

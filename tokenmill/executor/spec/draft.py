@@ -40,6 +40,7 @@ from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.cuda_graphs import CudaGraphRunner, drafter_graphs
 from tokenmill.executor.loader import load_model
 from tokenmill.executor.spec.adaptive import StepCost, acceptance, continuation
+from tokenmill.executor.spec.chain import DeviceChain
 from tokenmill.executor.fused_decoder import fused_decoder
 from tokenmill.executor.spec.proposer import Proposer, can_speculate
 from tokenmill.executor.spec.rests import DraftChoice
@@ -55,7 +56,7 @@ logger = logging.getLogger("tokenmill")
 CATCH_UP_ROWS = 32  # a forward of at least this many catch-up rows times a catch-up token
 
 
-class DraftModel(DraftChoice, Proposer, CacheOwner):
+class DraftModel(DraftChoice, DeviceChain, Proposer, CacheOwner):
     """The draft model, its KV cache and the drafts it made this step (handed to the
     requests by `propose`, after the scheduler has taken the step's tokens); when it drafts,
     how many, and when it rests are DraftChoice's (executor/spec/rests.py)."""
@@ -250,17 +251,14 @@ class DraftModel(DraftChoice, Proposer, CacheOwner):
         ks = np.array([k for _, k in drafting])
         if self.fused_drafts and len(drafting) <= self.fused_rows:
             self._chain(drafts, positions, table, ks)
-        else:
+        elif self.fused is not None and len(drafting) <= self.fused_rows:
             for step in range(1, int(ks.max())):  # forward j + 1: one token each, its latest draft
                 active = np.flatnonzero(ks > step)
-                latest = [drafts[a][-1] for a in active]
-                if self.fused is not None and len(active) <= self.fused_rows:
-                    nxt = self._decode_rows(positions[active] + step - 1, table[active], latest)
-                else:
-                    nxt, _ = self._forward(np.ones(len(active), dtype=np.int32), positions[active] + step - 1,
-                                           table[active], latest, np.arange(len(active)))
+                nxt = self._decode_rows(positions[active] + step - 1, table[active], [drafts[a][-1] for a in active])
                 for a, t in zip(active, nxt):
                     drafts[a].append(t)
+        else:  # forwards 2, 3, ... each fed the one before's drafts on the device
+            self._device_chain(drafts, positions, table, ks)
         for ((_, request, start, toks), _), d in zip(drafting, drafts):
             # the draft computed every known token; the last one's slot may go with the rollback
             self.computed[request.request_id] = start + len(toks) - 1

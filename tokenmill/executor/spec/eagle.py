@@ -196,7 +196,7 @@ class EagleProposer(DraftModel):
         last = starts + query_lens - 1  # each drafting request's last pair's position
         if self.fused_drafts and len(drafting) <= self.fused_rows:
             self._chain(drafts, last + 1, table, ks, feats)
-        else:
+        elif self.fused is not None and len(drafting) <= self.fused_rows:
             active = np.arange(len(drafting))
             for step in range(1, int(ks.max())):  # forward j + 1: (draft j, the head's output for it)
                 keep = np.flatnonzero(ks[active] > step)
@@ -205,6 +205,8 @@ class EagleProposer(DraftModel):
                                            [drafts[a][-1] for a in active], np.arange(len(active)), 0, (feats, keep))
                 for a, t in zip(active, nxt):
                     drafts[a].append(t)
+        else:  # (draft j, the head's output for it) on the device, forward after forward
+            self._device_chain(drafts, last + 1, table, ks, feats)
         for piece, d in zip(drafting, drafts):
             self.drafts[piece[1].request_id] = d
 
