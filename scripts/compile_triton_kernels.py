@@ -8,8 +8,9 @@ A kernel that the interpreter runs (tests/kernels, TRITON_INTERPRET=1) can still
 compile for a GPU: the interpreter allows `tl.dot` shapes, types and control flow the compiler
 refuses, and it never allocates shared memory. Here the wrappers (TritonBackend, triton_ops,
 triton_fp8_gemm) run on CPU tensors as the engine calls them, each launch is recorded instead
-of run (`JITFunction.run`), and each distinct configuration (the argument types, the
-constexprs, warps and stages) is compiled. A configuration that does not compile, or needs
+of run, specialized as Triton's launcher (`JITFunction.run`) does for the target (argument
+types, pointers and integers divisible by 16, integers equal to 1 made constants, warps and
+stages), and each distinct configuration is compiled. A configuration that does not compile, or needs
 more shared memory than an H100's block may have, fails the run, named. Nothing runs: the
 figures (registers, speed) are a device session's. Must run without TRITON_INTERPRET.
 """
@@ -28,20 +29,24 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 SHARED_LIMIT = 232_448  # bytes of shared memory a block may have on sm_90 (227 KB)
-TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-         torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
-         torch.float8_e5m2: "fp8e5", torch.bool: "i1"}
-OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 # (heads, kv heads, head dim): Qwen3-0.6B, Llama-3-8B, the built-in model, GQA 1 and MQA with
 # padded head dims
 SHAPES = [(16, 8, 128), (32, 8, 128), (4, 2, 64), (8, 8, 80), (8, 1, 256), (12, 4, 96)]
 
 
 class Launches:
-    """Records each Triton launch (kernel, arguments, constexprs) instead of running it."""
+    """Records each Triton launch instead of running it, specialized as Triton's own launcher
+    would for the target (`JITFunction.run`: the argument types, the pointers and integers
+    divisible by 16, the integers equal to 1 made constants, the launch options)."""
 
-    def __init__(self) -> None:
-        self.seen: dict[tuple, tuple] = {}
+    def __init__(self, arch: int = 90) -> None:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        self.target = GPUTarget("cuda", arch, 32)
+        self.backend = make_backend(self.target)
+        self.binders: dict = {}
+        self.seen: dict[tuple, tuple] = {}  # (kernel, specialization, options) -> what compile_one builds
 
     def __enter__(self) -> "Launches":
         from triton.runtime.jit import JITFunction
@@ -61,41 +66,36 @@ class Launches:
         JITFunction.run = self.original
 
     def add(self, fn, args: tuple, kwargs: dict) -> None:
-        values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in OPTIONS}
-        options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-        signature, constexprs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            value = values.get(name, fn.params[i].default)
-            if fn.params[i].is_constexpr or value is None:  # (Triton passes None as a constexpr)
-                signature[name], constexprs[(i,)] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[name] = "*" + TYPES[value.dtype]
-            elif isinstance(value, bool):
-                signature[name] = "i1"
-            elif isinstance(value, int):
-                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            elif isinstance(value, float):
-                signature[name] = "fp32"
-            else:
-                raise TypeError(f"{fn.__name__}: argument {name} = {value!r} has no Triton type here")
-        key = (fn.__name__, tuple(signature.items()), tuple((k, repr(v)) for k, v in constexprs.items()),
-               tuple(sorted(options.items())))
-        self.seen.setdefault(key, (fn, signature, constexprs, options))
+        from triton import knobs
+        from triton.runtime.jit import create_function_from_signature
+
+        kwargs = {"debug": fn.debug or knobs.runtime.debug,
+                  "instrumentation_mode": knobs.compilation.instrumentation_mode, **kwargs}
+        if fn not in self.binders:
+            self.binders[fn] = create_function_from_signature(fn.signature, fn.params, self.backend)
+        bound, specialization, options = self.binders[fn](*args, **kwargs)
+        key = (fn.__name__, repr(specialization), repr(sorted(options.items())))
+        if key not in self.seen:
+            options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization, options)
+            self.seen[key] = (fn, signature, constexprs, attrs, options.__dict__, self.target)
 
 
-# the attention steps: (query lengths, context lengths, split count, run length): a mixed step
-# (decodes and prompt chunks); decodes split four ways; verifications of 4 drafts a request as
-# the graphs run them (a row a token, in runs), split, and of a draft model's forward 1 (k + 2)
-STEPS = {"mixed": ([1, 9, 1, 70], [40, 9, 3, 200], None, None), "split": ([1, 1], [90, 250], 4, None),
-         "runs": ([5, 3], [40, 90], 4, 5), "draft": ([6, 2], [40, 90], None, 6)}
+# the attention steps: (query lengths, context lengths, split count, longest run): a mixed step
+# (decodes and prompt chunks); decodes split 16 ways (the most planned); verifications of 4 drafts
+# a request as the graphs run them (a row a token, in runs), split; a draft model's forward 1
+# (k + 2 rows); a verification of 16 drafts (runs as long as the backend takes: max_span)
+STEPS = {"mixed": ([1, 9, 1, 70], [40, 9, 3, 200], None, None), "split": ([1, 1], [90, 250], 16, None),
+         "runs": ([5, 3], [40, 90], 4, 5), "draft": ([6, 2], [40, 90], None, 6),
+         "long": ([17, 9], [60, 90], 4, 17)}
 BF16, F32, I8, E4M3, E5M2 = torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2
 # --quick (the test suite's): each code path once, not every product: the kernels' variants are the
 # cache's (16-bit, 8-bit read in float32 or float16), the dtype's (float32 keeps IEEE dots), the
 # head dim's (256 takes narrower key tiles and 8 warps), the GQA group's and a run's (tile rows)
-QUICK = [((16, 8, 128), BF16, None, ("mixed", "split", "runs", "draft")), ((16, 8, 128), BF16, I8, ("mixed", "runs")),
-         ((16, 8, 128), BF16, E4M3, ("mixed", "runs")), ((16, 8, 128), F32, None, ("mixed", "runs")),
-         ((16, 8, 128), F32, I8, ("mixed",)), ((8, 1, 256), BF16, None, ("mixed", "split", "runs")),
-         ((32, 8, 128), BF16, None, ("runs",)), ((4, 2, 64), F32, None, ("mixed", "draft"))]
+QUICK = [((16, 8, 128), BF16, None, ("mixed", "split", "runs", "draft", "long")),
+         ((16, 8, 128), BF16, I8, ("mixed", "runs")), ((16, 8, 128), BF16, E4M3, ("mixed", "runs")),
+         ((16, 8, 128), F32, None, ("mixed", "runs")), ((16, 8, 128), F32, I8, ("mixed",)),
+         ((8, 1, 256), BF16, None, ("mixed", "split", "runs", "long")), ((32, 8, 128), BF16, None, ("runs", "long")),
+         ((4, 2, 64), F32, None, ("mixed", "draft"))]
 
 
 def attention_launches(launches: Launches, quick: bool) -> None:
@@ -121,9 +121,10 @@ def attention_launches(launches: Launches, quick: bool) -> None:
             tokens = int(lens.sum())
             md = AttentionMetadata.from_host(lens, seq_lens.astype(np.int32), table,
                                              torch.zeros(tokens, dtype=torch.int64), block, to_device)
-            if span:
-                md.row_spans, md.max_span = to_device(row_spans(query_lens, span)), span
             backend = TritonBackend(cache, block, heads, num_splits=splits)
+            if span:  # as the graph runner caps it
+                span = min(span, backend.max_span)
+                md.row_spans, md.max_span = to_device(row_spans(query_lens, span)), span
             backend.begin_step(md)
             backend(torch.zeros(tokens, heads, dim, dtype=dtype), torch.zeros(tokens, kv_heads, dim, dtype=dtype),
                     torch.zeros(tokens, kv_heads, dim, dtype=dtype), 0)
@@ -174,27 +175,45 @@ def reason(e: BaseException) -> str:
     return f"{type(e).__name__}{where}: {said[:300]}"
 
 
-def compile_one(index: int, arch: int) -> str | None:
-    """Builds configuration `index` of _CONFIGS for sm_`arch`: None, or what failed."""
+def compile_one(index: int, arch: int, resources: bool = False) -> tuple[str, str | None]:
+    """Builds configuration `index` of _CONFIGS for sm_`arch`: (what it is, with its registers,
+    stack and shared memory a thread block from cuobjdump if `resources`; None, or what failed)."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, signature, constexprs, options = _CONFIGS[index]
+    fn, signature, constexprs, attrs, options, target = _CONFIGS[index]
     what = f"{fn.__name__}({', '.join(f'{fn.arg_names[i]}={v!r}' for (i,), v in constexprs.items())})"
     try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                target=GPUTarget("cuda", arch, 32), options=options)
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=target, options=options)
     except Exception as e:  # noqa: BLE001 - every configuration is tried, the failures listed
-        return f"{what}: {reason(e)}"
+        return what, f"{what}: {reason(e)}"
+    if resources:
+        what += f" num_warps={options['num_warps']}: {usage(kernel.asm['cubin'])}"
     if kernel.metadata.shared > SHARED_LIMIT:
-        return f"{what}: {kernel.metadata.shared} bytes of shared memory, over sm_{arch}'s {SHARED_LIMIT}"
-    return None
+        return what, f"{what}: {kernel.metadata.shared} bytes of shared memory, over sm_{arch}'s {SHARED_LIMIT}"
+    return what, None
 
 
-def compile_all(launches: Launches, arch: int) -> list[str]:
+def usage(cubin: bytes) -> str:
+    """A cubin's registers, stack (spills) and shared memory a thread, from Triton's cuobjdump."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(Path(nvidia.__file__).parent / "bin" / "cuobjdump"), "--dump-resource-usage",
+                              f.name], capture_output=True, text=True).stdout
+    line = next((x for x in out.splitlines() if "REG:" in x), "")
+    return " ".join(f for f in line.split() if f.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL"))
+
+
+def compile_all(launches: Launches, arch: int, resources: bool = False) -> list[tuple[str, str | None]]:
     """Every recorded configuration built, on as many processes as there are cores (forked:
-    the kernels are the ones this process imported); the failures."""
+    the kernels are the ones this process imported): compile_one's answers."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from functools import partial
@@ -202,21 +221,27 @@ def compile_all(launches: Launches, arch: int) -> list[str]:
     _CONFIGS[:] = launches.seen.values()
     workers = min(len(_CONFIGS), os.cpu_count() or 1)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        return [f for f in pool.map(partial(compile_one, arch=arch), range(len(_CONFIGS))) if f is not None]
+        return list(pool.map(partial(compile_one, arch=arch, resources=resources), range(len(_CONFIGS))))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="the compute capability to build for (90: Hopper)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and dtypes (the test suite's run)")
+    p.add_argument("--resources", action="store_true",
+                   help="print each configuration's registers, stack (spills) and shared memory a thread")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("run without TRITON_INTERPRET=1: the interpreter's kernels do not compile")
     start = time.perf_counter()
-    with Launches() as launches:
+    with Launches(args.arch) as launches:
         attention_launches(launches, args.quick)
         layer_launches(launches, args.quick)
-    failures = compile_all(launches, args.arch)
+    built = compile_all(launches, args.arch, args.resources)
+    failures = [failed for _, failed in built if failed is not None]
+    if args.resources:
+        for what, _ in built:
+            print(what)
     kernels = sorted({key[0] for key in launches.seen})
     print(f"{len(launches.seen)} configurations of {len(kernels)} kernels ({', '.join(kernels)}) compiled for "
           f"sm_{args.arch} in {time.perf_counter() - start:.0f}s; {len(failures)} failed")

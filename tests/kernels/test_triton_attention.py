@@ -89,6 +89,17 @@ def test_rows_of_a_request_share_a_read_of_its_context(poisoned_outputs, max_spa
     assert backend.plan.chunks is None and d.span == max_span and d.spans.tolist() == spans
 
 
+def test_runs_are_capped_at_the_tile_rows(poisoned_outputs):
+    """A run's rows times the GQA group fill at most MAX_RUN_ROWS tile rows (16 rows at G = 4): a
+    verification of 16 drafts goes in runs of 16 and 1; a longer run is refused."""
+    backend = check(torch.float32, [17, 3], [60, 90], heads=8, kv_heads=2, dim=32, block_size=16, max_span=16,
+                    seed=9)
+    assert backend.max_span == triton_attention.MAX_RUN_ROWS // 4 == 16
+    assert backend.plan.decodes.spans.tolist() == [16] + [0] * 15 + [1, 3, 0, 0]
+    with pytest.raises(ValueError, match="runs of 17 rows: this backend takes at most 16"):
+        check(torch.float32, [17], [60], heads=8, kv_heads=2, dim=32, block_size=16, max_span=17)
+
+
 def test_rows_in_runs_in_16_bits_and_an_8_bit_cache(poisoned_outputs):
     check(torch.bfloat16, *VERIFY, heads=8, kv_heads=2, dim=64, block_size=16, num_splits=3, max_span=5, seed=7)
     check(torch.float16, *VERIFY, heads=8, kv_heads=2, dim=32, block_size=32, max_span=5, seed=8,

@@ -132,6 +132,7 @@ def test_verification_steps_replay_graphs_a_row_a_token(checkpoints, method):
     assert [stats[c] for c in counts] == [eager.engine.stats()[c] for c in counts]
     assert max(target) > 3 and max(target_buckets) >= 8  # a verification of several tokens a request
     # each request's rows read its context once: the attention's runs of up to k + 1 rows
+    assert runner.graphs.max_span == 4 and runner.attn.max_span >= 4
     assert {g.plan.decodes.span for g in runner.graphs.graphs.values()} == {4} and max(target_spans) > 1
     if method == "draft_model":
         assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]  # its own draft

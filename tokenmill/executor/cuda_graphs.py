@@ -130,6 +130,8 @@ class CudaGraphRunner:
                  max_tokens: int = SPEC_ROWS, features: int = 0) -> None:
         self.runner = weakref.proxy(runner)  # the runner owns this; no cycle keeps a dead engine's memory
         self.max_query = max_query
+        # a request's rows in runs of at most this many, each read of its context serving a run
+        self.max_span = min(max_query, getattr(runner.attn, "max_span", max_query))
         self.buckets = graph_buckets(graph_rows(max_batch_size, max_query, max_tokens))
         b = self.buckets[-1]
         max_blocks = -(-runner.max_model_len // runner.block_size) + extra_blocks
@@ -182,7 +184,7 @@ class CudaGraphRunner:
             # the split count is planned for the longest context the bucket may see
             seq_lens_cpu=np.full(b, runner.max_model_len, dtype=np.int32),
             block_table_cpu=np.zeros((b, self.block_table.shape[1]), dtype=np.int32),
-            block_size=runner.block_size, row_spans=self.row_spans[:b], max_span=self.max_query)
+            block_size=runner.block_size, row_spans=self.row_spans[:b], max_span=self.max_span)
         runner.staging.begin()
         attn.begin_step(md)  # outside the capture: the plan's tensors are made once, then only read
         runner.staging.end()
@@ -216,7 +218,7 @@ class CudaGraphRunner:
         if spans:  # a row a token: its request's blocks, its context up to itself
             block_table = token_rows(block_table, query_lens)
             seq_lens = (positions + 1).astype(np.int32)
-            put(_padded(row_spans(query_lens, self.max_query), pad, 1), out=self.row_spans[:b])
+            put(_padded(row_spans(query_lens, self.max_span), pad, 1), out=self.row_spans[:b])
         elif self.spans:  # the runs of the last step undone (a decode step finds the buffer all ones)
             self.row_spans.fill_(1)
         self.spans = spans

@@ -55,6 +55,9 @@ from tokenmill.executor.attention.triton_kv_write import write_kv
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_HEAD_DIM = 256
 MIN_BLOCK_SIZE = 16
+# the most rows a run of one request's rows gives a decode program's tile (runs x G heads):
+# the chunk kernel's tile (64 rows), which fits a GPU's registers at every head dim
+MAX_RUN_ROWS = 64
 LOG2E = 1.4426950408889634
 
 
@@ -297,6 +300,8 @@ class TritonBackend:
         self.qmax = QMAX.get(kv_cache.dtype, 0.0)
         # a decode's rows are its G heads, padded to the 16 rows a tl.dot needs at least
         self.decode_block_m = max(16, _pow2(self.group))
+        # the longest run of rows one program takes (AttentionMetadata.row_spans)
+        self.max_span = max(1, MAX_RUN_ROWS // self.group)
         # a chunk tile: BLOCK_Q tokens x G heads; small tiles keep the interpreter fast
         self.chunk_block_m = max(16 if INTERPRET else 64, _pow2(self.group))
         self.chunk_block_q = self.chunk_block_m // self.group
@@ -346,9 +351,15 @@ class TritonBackend:
             chunk_work = ChunkWork(self.to_device(req), self.to_device(q0))
         decode_work = None
         if len(decodes):
-            splits = self.decode_splits(len(decodes), int(md.seq_lens_cpu[decodes].max()))
+            runs = md.row_spans is not None and md.max_span > 1 and chunk_work is None  # every row a decode
+            if runs and md.max_span > self.max_span:
+                raise ValueError(f"runs of {md.max_span} rows: this backend takes at most {self.max_span}")
+            # splits planned for the programs that work: a run's first row's (a verification's
+            # rows of one request are one program's), so that a step of few requests still fills the GPU
+            working = -(-len(decodes) // md.max_span) if runs else len(decodes)
+            splits = self.decode_splits(working, int(md.seq_lens_cpu[decodes].max()))
             decode_work = self.decode_work(self.to_device(decodes), splits)
-            if md.row_spans is not None and md.max_span > 1 and chunk_work is None:  # every row a decode
+            if runs:
                 decode_work = decode_work._replace(spans=md.row_spans, span=md.max_span)
         self.plan = TritonPlan(md, chunk_work, decode_work)
 
