@@ -14,7 +14,8 @@ One step, after verification:
              max_num_batched_tokens in all (a catch-up that does not fit runs as a chunk of
              what does, that request drafting in a later step); the next token's logits
              give draft 1;
-  forward j: each request with more than j - 1 drafts feeds its draft j - 1.
+  forward j: each request with more than j - 1 drafts feeds its draft j - 1 (kept on the
+             device from forward 2 on, spec/chain.py, where the one-call CPU forwards are not used).
 A request's draft-computed length never passes the target's num_computed_tokens (the
 next token's slot may be freed by the rollback), and a preempted request starts from 0.
 Drafts are the draft model's argmax, a point mass, so the verifier's rejection sampling
