@@ -77,6 +77,14 @@ def token_rows(block_table: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
     return block_table[np.repeat(np.arange(len(query_lens)), query_lens)]
 
 
+def row_slots(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slots (int64) of a step laid out a row a token: row i's token at positions[i]
+    over its block table row table[i] (token_slots' answer there, without its general form's
+    numpy calls)."""
+    return table[np.arange(len(positions)), positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+
+
 def row_spans(query_lens: np.ndarray, max_span: int) -> np.ndarray:
     """The `row_spans` of a step laid out a row a token (`token_rows`): each request's rows in
     runs of at most `max_span`, each run's length on its first row, 0 on the others."""

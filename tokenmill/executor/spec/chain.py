@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from tokenmill.executor.attention import AttentionMetadata
+from tokenmill.executor.attention import AttentionMetadata, row_slots
 
 
 class DeviceChain:
@@ -70,7 +70,7 @@ class DeviceChain:
         from `ids` on the device; eagerly, the model reads them as they are."""
         n, bs, put = len(positions), self.block_size, self.staging.to_device
         query_lens = np.ones(n, dtype=np.int32)
-        slots = table[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        slots = row_slots(table, positions, bs)
         seq_lens = (positions + 1).astype(np.int32)
         if self.graphs is not None and self.graphs.can_run(query_lens, n):
             hidden = self.graphs.run(np.zeros(n, dtype=np.int64), positions, slots, seq_lens, table, query_lens,

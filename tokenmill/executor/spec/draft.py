@@ -36,7 +36,8 @@ import torch
 from tokenmill.config import ModelConfig, SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.attention import AttentionMetadata, select_attention_backend, token_rows, token_slots
+from tokenmill.executor.attention import (AttentionMetadata, row_slots, select_attention_backend, token_rows,
+                                         token_slots)
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.cuda_graphs import CudaGraphRunner, drafter_graphs
 from tokenmill.executor.loader import load_model
@@ -360,8 +361,7 @@ class DraftModel(DraftChoice, DeviceChain, Proposer, CacheOwner):
         if self.fused_drafts:  # the head and the argmax in the same call, the slots computed there
             rows = None if logits_rows is None else t(np.asarray(logits_rows, dtype=np.int64))
             return self.kernels.small_llama_draft(self.fused, ids, t(positions), t(table), bs, rows)
-        # token_slots' slots where each row is one token (without its general form's numpy calls)
-        slots = table[np.arange(len(ids)), positions // bs].astype(np.int64) * bs + positions % bs
+        slots = row_slots(table, positions, bs)
         hidden = self.kernels.small_llama_decode(self.fused, t(np.array(ids, dtype=np.int64)), t(positions), t(slots),
                                                  t(table), t((positions + 1).astype(np.int32)), bs)
         if logits_rows is not None and len(logits_rows) != len(ids):
