@@ -205,7 +205,7 @@ def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
     """The start-up timing runs the draft alone; in the engine its forwards can cost more
     (the target's weights evict the draft's from the cache, another load on the machine).
     Adaptive speculation times each step's drafting as it runs: when forwards are made 50 ms
-    slower, requests soon get no drafts at all."""
+    slower (or 8 steps' time, on a loaded machine), requests soon get no drafts at all."""
     import time
 
     llm = LLM(dtype="float32", kv_cache_memory="16MiB",
@@ -220,9 +220,14 @@ def test_adaptive_drafting_learns_what_draft_forwards_cost_in_the_step():
     if sum(by_k()[1:]) == 0:  # whether the built-in draft pays depends on the machine and its load
         pytest.skip("adaptive speculation chose no drafts here even before the slowdown")
 
+    start = time.perf_counter()
+    llm.generate([PROMPTS[2]], params, use_tqdm=False)
+    # The slowdown is against the step as this machine runs it now: at 50 ms a forward, a step
+    # slowed by a loaded machine (another test run beside this one) could still find drafts worth it.
+    delay = max(0.05, 8 * (time.perf_counter() - start) / params.max_tokens)
     forward, rows = drafter.model.forward, drafter.decode_rows  # (the modules' forward, the one-call one)
-    drafter.model.forward = lambda *a, **kw: (time.sleep(0.05), forward(*a, **kw))[1]
-    drafter.decode_rows = lambda *a, **kw: (time.sleep(0.05), rows(*a, **kw))[1]
+    drafter.model.forward = lambda *a, **kw: (time.sleep(delay), forward(*a, **kw))[1]
+    drafter.decode_rows = lambda *a, **kw: (time.sleep(delay), rows(*a, **kw))[1]
     llm.generate([PROMPTS[2]], replace(params, max_tokens=96), use_tqdm=False)  # learns the cost
     learnt = drafter.draft_cost(1)
     assert learnt > float(drafter.draft_cost.forward(1))  # above what start-up measured
@@ -268,6 +273,31 @@ def test_a_draft_model_skips_resting_steps_and_catches_up_after_them(engines, mo
     assert accepted >= 0.97 * drafted > 0
     assert len(calls) > 6 and len(choices_before_resting) > 6  # it chose, and it rested
     assert len(set(choices_before_resting)) < len(choices_before_resting)  # rests of more than a step
+
+
+def test_later_draft_forwards_of_more_requests_than_one_call_takes_run_through_the_modules(engines, monkeypatch):
+    """On the CPU, a step's later draft forwards (2 to k) run in one native call each while their
+    requests fit in it (fused_rows, 256), and through the modules when there are more. With
+    fused_rows at 2 and the target as its own draft (float32: every draft accepted), 4 requests
+    that finish one by one take both: the outputs are those without drafts."""
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB", speculative_config={
+        "method": "draft_model", "model": str(DEFAULT_MODEL_DIR), "num_speculative_tokens": 3, "adaptive": False})
+    drafter = llm.engine.runner.drafter
+    if drafter.fused is None:
+        pytest.skip("the one-call draft forward needs small_linear (AVX2 and FMA) in float32")
+    monkeypatch.setattr(drafter, "fused_rows", 2)
+    monkeypatch.setattr(drafter, "fused_drafts", False)  # (small_draft_chain: all of forwards 2 to k in one call)
+    later = Counter()  # the later forwards' calls: _decode_rows(at, table, ids), _forward(lens, at, table, ids, rows)
+    for name, arity in (("_decode_rows", 3), ("_forward", 5)):
+        def counted(*args, _call=getattr(drafter, name), _name=name, _arity=arity):
+            later[_name] += len(args) == _arity
+            return _call(*args)
+        monkeypatch.setattr(drafter, name, counted)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (96, 72, 48, 24)]
+    assert completions(run(llm, params)) == completions(run(engines[0], params))
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.97 * stats["spec_decode_num_draft_tokens"] > 0
+    assert later["_decode_rows"] > 0 and later["_forward"] > 0, later
 
 
 def test_a_catch_up_forward_is_split_into_its_drafting_rows_and_the_catch_up(adaptive_draft):

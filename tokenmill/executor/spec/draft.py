@@ -253,10 +253,15 @@ class DraftModel(DraftChoice, DeviceChain, Proposer, CacheOwner):
         ks = np.array([k for _, k in drafting])
         if self.fused_drafts and len(drafting) <= self.fused_rows:
             self._chain(drafts, positions, table, ks)
-        elif self.fused is not None and len(drafting) <= self.fused_rows:
+        elif self.fused is not None:  # the CPU: the one-call forward for each forward its requests fit in
             for step in range(1, int(ks.max())):  # forward j + 1: one token each, its latest draft
                 active = np.flatnonzero(ks > step)
-                nxt = self._decode_rows(positions[active] + step - 1, table[active], [drafts[a][-1] for a in active])
+                at, latest = positions[active] + step - 1, [drafts[a][-1] for a in active]
+                if len(active) <= self.fused_rows:
+                    nxt = self._decode_rows(at, table[active], latest)
+                else:
+                    nxt, _ = self._forward(np.ones(len(active), dtype=np.int32), at, table[active], latest,
+                                           np.arange(len(active)))
                 for a, t in zip(active, nxt):
                     drafts[a].append(t)
         else:  # forwards 2, 3, ... each fed the one before's drafts on the device
