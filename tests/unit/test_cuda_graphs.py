@@ -206,14 +206,16 @@ def test_step_block_tables_are_zero_padded_rows():
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
-def test_a_drafters_weights_are_counted_from_its_checkpoint(method, tmp_path):
+def test_what_a_drafter_holds_is_counted_from_its_checkpoint(method, tmp_path):
     """On CUDA a drafter loads after the KV cache has taken its share, so the budget counts its
     weights from its checkpoint's headers: the bytes the loaded drafter holds (in bfloat16, where
     the CPU's float32 layers do not repack their weights), twice that in float32; a checkpoint
     that carries copies of the target's embedding and LM head (some EAGLE heads do) or a tied
-    draft's LM head counts without them, as they are not loaded."""
+    draft's LM head counts without them, as they are not loaded. What the drafter holds besides
+    (drafter_bytes): its LM head cut to its token map, and its scratch blocks."""
     from safetensors.torch import save_file
 
+    from tokenmill.executor.memory import drafter_bytes
     from tokenmill.executor.spec.checkpoint import skipped_tensors
 
     path = tmp_path / "drafter"
@@ -221,11 +223,19 @@ def test_a_drafters_weights_are_counted_from_its_checkpoint(method, tmp_path):
     copies = {"model.embed_tokens.weight": torch.ones(8192, 256), "lm_head.weight": torch.ones(8192, 256)} \
         if method == "eagle" else {"lm_head.weight": torch.ones(8192, 128)}
     save_file({name: t.bfloat16() for name, t in copies.items()}, path / "z_copies.safetensors")
-    llm = LLM(dtype="bfloat16", kv_cache_memory="8MiB", speculative_config={
-        "method": method, "model": str(path), "num_speculative_tokens": 2, "adaptive": False})
-    runner = llm.engine.runner
-    skipped = skipped_tensors(runner.config.speculative_config, runner.drafter.model_config)
-    held = sum(p.numel() * p.element_size() for p in runner.drafter.model.parameters())
+    spec = {"method": method, "model": str(path), "num_speculative_tokens": 5, "adaptive": False,
+            "token_map": str(path / "token_map.json")}
+    llm = LLM(dtype="bfloat16", kv_cache_memory="8MiB", block_size=4, max_num_seqs=6, speculative_config=spec)
+    runner, drafter = llm.engine.runner, llm.engine.runner.drafter
+    skipped = skipped_tensors(runner.config.speculative_config, drafter.model_config)
+    held = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
     assert checkpoint_bytes(path, torch.bfloat16, skipped) == held > 0
     assert checkpoint_bytes(path, torch.float32, skipped) == 2 * held
     assert checkpoint_bytes(path, torch.bfloat16) == held + sum(t.numel() * 2 for t in copies.values())
+    # the cut head unpacked (the CPU repacks it), and the cache's slots past the shared blocks'
+    head = len(drafter.vocab) * drafter.model_config.hidden_size * 2
+    scratch = (drafter.kv_cache.num_slots - runner.num_blocks * 4) * drafter.model_config.kv_bytes_per_token(
+        drafter.kv_cache_dtype)
+    assert 0 < len(drafter.vocab) < 8192 and scratch >= 6 * 4 * 4 * drafter.model_config.num_layers
+    assert drafter_bytes(runner.config.speculative_config, path, drafter.model_config, torch.bfloat16,
+                         drafter.kv_cache_dtype, 4, 6) == held + head + scratch

@@ -6,9 +6,10 @@ full length could use, capped at 2 GiB.
 CUDA (vLLM's method): one profiling forward at the largest step the budget allows
 (max_num_batched_tokens tokens over up to max_num_seqs requests, then logits and
 sampling for max_num_seqs rows) measures the peak activation memory. The cache
-then takes `gpu_memory_utilization` of the device minus the weights (a drafter's
-too, loaded after the cache: counted from its checkpoint), that peak and what other
-processes and the CUDA context hold.
+then takes `gpu_memory_utilization` of the device minus the weights, that peak and
+what other processes and the CUDA context hold. A drafter is built after the cache, so
+what it will hold besides its share of the blocks is counted before (`drafter_bytes`):
+its weights from its checkpoint, its LM head cut to a token map, its scratch blocks.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ import torch
 from tokenmill.executor.attention import AttentionMetadata, token_slots
 from tokenmill.executor.loader import safetensors_files
 from tokenmill.executor.sampler import SamplingBatch
+from tokenmill.executor.spec.checkpoint import skipped_tensors
+from tokenmill.executor.spec.vocab import load_token_map, token_map_file
 
 if TYPE_CHECKING:
+    from tokenmill.config import ModelConfig, SpeculativeConfig
     from tokenmill.executor.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -66,6 +70,25 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype, skipped: tuple[str, ...] = 
     return numel * dtype.itemsize
 
 
+def scratch_blocks_per_row(num_speculative_tokens: int, block_size: int) -> int:
+    """A drafter's scratch blocks for each drafting request, past its last block: room for the
+    K/V of its k + 1 draft positions wherever in a block they start."""
+    return (num_speculative_tokens + 1) // block_size + 2
+
+
+def drafter_bytes(spec: SpeculativeConfig, path: Path, draft: ModelConfig, dtype: torch.dtype,
+                  kv_cache_dtype: torch.dtype, block_size: int, max_num_seqs: int) -> int:
+    """What a drafter (spec/draft.py) holds besides its K/V in the shared blocks: the weights it
+    loads, counted from its checkpoint's headers; its LM head cut to a token map, if any; and
+    its scratch blocks, a row of them for each of up to max_num_seqs drafting requests."""
+    weights = checkpoint_bytes(path, dtype, skipped_tensors(spec, draft))
+    head = 0
+    if (token_map := token_map_file(spec, path)) is not None:
+        head = len(load_token_map(token_map, draft.vocab_size)) * draft.hidden_size * dtype.itemsize
+    scratch = max_num_seqs * scratch_blocks_per_row(spec.num_speculative_tokens, block_size) * block_size
+    return weights + head + scratch * draft.kv_bytes_per_token(kv_cache_dtype)
+
+
 def _cuda_kv_budget(runner: ModelRunner, max_tokens: int) -> int:
     device = runner.device
     torch.cuda.synchronize(device)
@@ -84,11 +107,11 @@ def _cuda_kv_budget(runner: ModelRunner, max_tokens: int) -> int:
     # memory in use that torch's allocator does not hold: the CUDA context, other processes
     non_torch = total - free - torch.cuda.memory_reserved(device)
     # this engine's share, as in vLLM (another engine in the process has its own), and never
-    # more than is free once the activations have room; a drafter's weights (speculative
-    # decoding) load after the cache, so their room is kept here
-    weights += runner.draft_weight_bytes
+    # more than is free once the activations have room; a drafter (speculative decoding) is
+    # built after the cache, so its room is kept here
+    weights += runner.draft_bytes
     budget = min(int(total * runner.config.gpu_memory_utilization) - weights - peak - non_torch,
-                 free - peak - runner.draft_weight_bytes)
+                 free - peak - runner.draft_bytes)
     runner.profile = {"weights_bytes": weights, "peak_activation_bytes": peak, "non_torch_bytes": non_torch,
                       "kv_budget_bytes": budget}
     logger.info("memory profile: weights %.2f GiB, peak activations %.2f GiB at %d tokens, other %.2f GiB; "

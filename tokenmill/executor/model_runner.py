@@ -35,13 +35,13 @@ from tokenmill.executor.distributed.workers import TensorParallelWorkers, Worker
 from tokenmill.executor.fused_decoder import fused_decoder
 from tokenmill.executor.layers.quantization import resolve_quantization
 from tokenmill.executor.loader import load_model
-from tokenmill.executor.memory import checkpoint_bytes, num_kv_blocks
+from tokenmill.executor.memory import drafter_bytes, num_kv_blocks
 from tokenmill.executor.penalties import PenaltyState
 from tokenmill.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from tokenmill.executor.sampler import SampledTokens, Sampler
 from tokenmill.executor.sampling_batch import build_sampling_batch
 from tokenmill.executor.spec.adaptive import StepCost
-from tokenmill.executor.spec.checkpoint import resolve_draft, skipped_tensors
+from tokenmill.executor.spec.checkpoint import resolve_draft
 from tokenmill.executor.spec.draft import DraftModel
 from tokenmill.executor.spec.eagle import EagleProposer
 from tokenmill.executor.spec.rejection import accepted_prefix
@@ -141,8 +141,8 @@ class ModelRunner(CacheOwner):
         # a draft model's KV cache shares the blocks, so each block costs its bytes too
         draft = resolve_draft(spec, model_path, model_config) if spec and spec.method in DRAFTERS else None
         self.draft_kv_bytes_per_token = draft[1].kv_bytes_per_token(self.kv_cache_dtype) if draft else 0
-        self.draft_weight_bytes = checkpoint_bytes(draft[0], dtype, skipped_tensors(spec, draft[1])) \
-            if draft and device.type == "cuda" else 0
+        self.draft_bytes = drafter_bytes(spec, *draft, dtype, self.kv_cache_dtype, self.block_size,
+                                         config.max_num_seqs) if draft and device.type == "cuda" else 0
         self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest can
             self.num_blocks = tp.min_int(self.num_blocks)

@@ -41,6 +41,7 @@ from tokenmill.executor.attention import (AttentionMetadata, row_slots, select_a
 from tokenmill.executor.attention.kv_cache import CacheOwner
 from tokenmill.executor.cuda_graphs import CudaGraphRunner, drafter_graphs
 from tokenmill.executor.loader import load_model
+from tokenmill.executor.memory import scratch_blocks_per_row
 from tokenmill.executor.spec.adaptive import StepCost, acceptance, continuation
 from tokenmill.executor.spec.chain import DeviceChain
 from tokenmill.executor.fused_decoder import fused_decoder
@@ -88,7 +89,7 @@ class DraftModel(DraftChoice, DeviceChain, Proposer, CacheOwner):
         self.backend_cls = select_attention_backend(runner.config.attention_backend, runner.device, runner.dtype,
                                                     model_config.head_dim, bs, runner.config.kv_cache_dtype)
         # scratch blocks for the drafts' own K/V: enough for k + 1 positions past any block
-        self.scratch_per_row = (config.num_speculative_tokens + 1) // bs + 2
+        self.scratch_per_row = scratch_blocks_per_row(config.num_speculative_tokens, bs)
         self.scratch_rows = runner.config.max_num_seqs
         self.first_scratch = num_blocks
         self.kv_cache = self.allocate_kv_cache(num_blocks + self.scratch_rows * self.scratch_per_row)
