@@ -152,6 +152,9 @@ def layer_launches(launches: Launches, quick: bool) -> None:
                 triton_ops.silu_and_mul(torch.zeros(rows, 2 * inter, dtype=dtype))
                 if dtype != torch.float32 or not quick:
                     triton_ops.quantize_fp8_rows(x)
+                    for residual in (None, torch.zeros_like(x)):
+                        triton_ops.rms_norm_fp8(x, residual, torch.ones(hidden, dtype=dtype), 1e-6)
+                    triton_ops.silu_and_mul_fp8(torch.zeros(rows, 2 * inter, dtype=dtype))
                     for n, kk in ((hidden, inter), (inter * 2, hidden)):
                         if rows <= triton_fp8_gemm.SMALL_M:
                             triton_fp8_gemm.fp8_gemm(torch.zeros(rows, kk, dtype=torch.float8_e4m3fn),

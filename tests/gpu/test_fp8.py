@@ -54,6 +54,20 @@ def test_fp8_checkpoint_equals_fp8_on_load(tmp_path):
     assert [c.token_ids for c in loaded] == [c.token_ids for c in on_load]
 
 
+def test_fp8_layers_read_activations_quantized_by_the_kernels_before_them():
+    """The norms before qkv and gate/up and the activation before down quantize their output
+    in their own launch (Fp8Rows); eagerly, turning that off gives the same tokens and logprobs."""
+    llm, fused = run(DEFAULT_MODEL_DIR, quantization="fp8", enforce_eager=True)
+    layers = llm.engine.runner.model.layers
+    assert all(x.input_layernorm.fp8_output and x.post_attention_layernorm.fp8_output and x.mlp.fp8_down
+               for x in layers)
+    for layer in layers:
+        layer.input_layernorm.fp8_output = layer.post_attention_layernorm.fp8_output = layer.mlp.fp8_down = False
+    apart = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert [c.token_ids for c in fused] == [c.token_ids for c in apart]
+    assert [c.logprobs for c in fused] == [c.logprobs for c in apart]
+
+
 def quantized_weights(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every fp8 layer's weight and scale row, on the host."""
     return {name: (m.weight.detach().cpu(), m.weight_scale_row.cpu())

@@ -27,5 +27,6 @@ def test_every_kernel_configuration_compiles_for_hopper(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled for sm_90" in proc.stdout and "; 0 failed" in proc.stdout
     for kernel in ("_decode_attention", "_chunk_attention", "_merge_splits", "write_kv", "_rms_norm",
-                   "_qk_norm_rotary", "_silu_and_mul", "_quantize_fp8_rows", "_fp8_gemm_splits"):
+                   "_qk_norm_rotary", "_silu_and_mul", "_quantize_fp8_rows", "_rms_norm_fp8", "_silu_and_mul_fp8",
+                   "_fp8_gemm_splits"):
         assert kernel in proc.stdout

@@ -1,5 +1,5 @@
-"""The Triton layer kernels (rms_norm, qk_norm_rotary, silu_and_mul, quantize_fp8_rows) against
-float64 references or the torch versions.
+"""The Triton layer kernels (rms_norm, qk_norm_rotary, silu_and_mul, quantize_fp8_rows, and the
+last fused into the first and third) against float64 references or the torch versions.
 
 Without a GPU they run under Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1). Outputs start as NaN (torch.empty is poisoned), and rows or heads
@@ -125,6 +125,85 @@ def test_quantize_fp8_rows_equals_the_torch_version(dtype, rows, k):
     q, s = ops.quantize_fp8_rows(x)
     torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 64), (37, 96), (70, 1024), (5, 80)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_fp8_equals_the_norm_then_the_quantization(poisoned_outputs, dtype, rows, dim, with_residual):
+    """rms_norm_fp8 (one launch) gives rms_norm's residual, and the codes and scales of
+    quantize_fp8_rows over rms_norm's output, bit for bit: a zero row and rows of very
+    different sizes included."""
+    g = torch.Generator().manual_seed(rows + dim)
+    wide = (torch.randn(rows, dim + 24, generator=g) * torch.logspace(-3, 2, rows)[:, None]).to(dtype).to(DEVICE)
+    wide[0] = 0
+    x = wide[:, 8:8 + dim]
+    weight = (1 + 0.1 * torch.randn(dim, generator=g)).to(dtype).to(DEVICE)
+    residual = torch.randn(rows, dim, generator=g).to(dtype).to(DEVICE) * 0.01 if with_residual else None
+    residual_ref = residual.clone() if with_residual else None
+    q_ref, s_ref = ops.quantize_fp8_rows(ops.rms_norm(x, residual_ref, weight, 1e-6))
+    q, s = ops.rms_norm_fp8(x, residual, weight, 1e-6)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    if with_residual:
+        assert torch.equal(residual, residual_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 64), (23, 1408), (3, 2500)])
+def test_silu_and_mul_fp8_equals_the_activation_then_the_quantization(poisoned_outputs, dtype, rows, dim):
+    """silu_and_mul_fp8 gives the codes and scales of quantize_fp8_rows over silu_and_mul's
+    output bit for bit (2,500: a row in two passes of 2,048)."""
+    g = torch.Generator().manual_seed(rows + dim)
+    gate_up = (torch.randn(rows, 2 * dim, generator=g) * torch.logspace(-2, 1, rows)[:, None]).to(dtype).to(DEVICE)
+    q_ref, s_ref = ops.quantize_fp8_rows(ops.silu_and_mul(gate_up))
+    q, s = ops.silu_and_mul_fp8(gate_up)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_before_fp8_layers_quantize_their_output(dtype):
+    """With FP8 layers and the Triton layer kernels, the kernels whose output only an FP8 layer
+    reads (the norms before qkv and gate/up, the activation before down) quantize it in their
+    launch once the weights are packed: the layers' outputs and the residual stream are those of
+    the kernels and the quantization apart."""
+    import dataclasses
+
+    from tokenmill.config import DEFAULT_MODEL_DIR, ModelConfig
+    from tokenmill.executor.layers.quantization.fp8 import Fp8Config, Fp8Rows
+    from tokenmill.executor.models.llama import LlamaForCausalLM
+
+    cfg = dataclasses.replace(ModelConfig.from_dir(DEFAULT_MODEL_DIR), num_layers=2)
+    quant = Fp8Config.__new__(Fp8Config)  # (its constructor refuses a CPU; the method computes on one)
+    model = LlamaForCausalLM(cfg, 64, kernels=ops, quant=quant)
+    g = torch.Generator().manual_seed(5)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        p.data = 1 + 0.1 * noise if "norm" in name else 0.05 * noise
+    model.to(DEVICE, dtype).pack_weights()
+
+    for layer in model.layers:
+        assert layer.input_layernorm.fp8_output and layer.post_attention_layernorm.fp8_output and layer.mlp.fp8_down
+
+    def fuse(on: bool) -> None:
+        for layer in model.layers:
+            layer.input_layernorm.fp8_output = layer.post_attention_layernorm.fp8_output = on
+            layer.mlp.fp8_down = on
+    x, residual = (torch.randn(7, cfg.hidden_size, generator=g).to(DEVICE, dtype) for _ in range(2))
+    for norm, after in ((model.layers[0].input_layernorm, model.layers[0].self_attn.qkv_proj),
+                        (model.layers[1].input_layernorm, model.layers[1].self_attn.qkv_proj),
+                        (model.layers[1].post_attention_layernorm, model.layers[1].mlp)):
+        stream = None if norm is model.layers[0].input_layernorm else residual
+        outs = []
+        for fused in (False, True):
+            fuse(fused)
+            normed = norm(x, None if stream is None else stream.clone())
+            h, res = (normed, None) if stream is None else normed
+            assert isinstance(h, Fp8Rows) == fused
+            outs.append((after(h), res))
+        assert torch.equal(outs[0][0], outs[1][0]) and (stream is None or torch.equal(outs[0][1], outs[1][1]))
 
 
 def test_fp8_layer_with_the_triton_activation_quantization():

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.executor.layers.quantization.fp8 import Fp8Rows
+
 
 class RMSNorm(nn.Module):
     """`kernels`: the native CPU kernels, or the Triton layer kernels beside Triton attention
@@ -20,6 +22,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.kernels = kernels
         self.impl = self.forward_kernels if kernels is not None else self.forward_native
+        # the output quantized for the FP8 layer that alone reads it (Fp8Rows), set once the
+        # weights are packed (LlamaForCausalLM.pack_weights); the Triton kernels only
+        self.fp8_output = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +34,10 @@ class RMSNorm(nn.Module):
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # one launch: residual += x in place, then the norm of the sum; [T, heads, d]
         # (q/k norm) is flattened to rows, copied when the heads are a strided view
-        out = self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), residual, self.weight, self.eps).view(x.shape)
+        if self.fp8_output:
+            out = Fp8Rows(*self.kernels.rms_norm_fp8(x, residual, self.weight, self.eps), x.dtype)
+        else:
+            out = self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), residual, self.weight, self.eps).view(x.shape)
         return out if residual is None else (out, residual)
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None

@@ -17,7 +17,10 @@ layer. The layers take this module as their `kernels`, as they take the CPU kern
   qkv projection's strided views and writing contiguous q and k (with torch ops: two
   copies, two norms and ten small ops);
 - `quantize_fp8_rows`: FP8 W8A8's dynamic per-token activation quantization
-  (quantization/fp8.py) in one launch instead of nine ops.
+  (quantization/fp8.py) in one launch instead of nine ops;
+- `rms_norm_fp8` and `silu_and_mul_fp8`: rms_norm or silu_and_mul and quantize_fp8_rows
+  together, where only an FP8 layer reads the output (qkv, gate/up, down: three launches a
+  layer fewer).
 Each computes in float32 and rounds where the unfused chain's output is rounded. Tested on
 the CPU under Triton's interpreter against float64 references and the torch versions
 (tests/kernels/test_triton_layers.py); the interpreter computes bfloat16 arithmetic
@@ -42,11 +45,8 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _rms_norm(out_ptr, x_ptr, res_ptr, w_ptr, rows, stride_x, eps, DIM: tl.constexpr, D_PAD: tl.constexpr,
-              BLOCK_R: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    d = tl.arange(0, D_PAD)
-    mask = (r < rows)[:, None] & (d < DIM)[None, :]
+def _normed(x_ptr, res_ptr, w_ptr, r, d, mask, stride_x, eps, DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Rows r of x (plus the residual's, the sum stored back first) normed and weighted, float32."""
     x = tl.load(x_ptr + r[:, None] * stride_x + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res = res_ptr + r[:, None] * DIM + d[None, :]
@@ -55,8 +55,32 @@ def _rms_norm(out_ptr, x_ptr, res_ptr, w_ptr, rows, stride_x, eps, DIM: tl.const
         x = total.to(tl.float32)  # the norm reads the rounded sum back, as the reference does
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DIM + eps)
     w = tl.load(w_ptr + d, mask=d < DIM, other=0.0).to(tl.float32)
-    y = x * inv[:, None] * w[None, :]
+    return x * inv[:, None] * w[None, :]
+
+
+@triton.jit
+def _rms_norm(out_ptr, x_ptr, res_ptr, w_ptr, rows, stride_x, eps, DIM: tl.constexpr, D_PAD: tl.constexpr,
+              BLOCK_R: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    mask = (r < rows)[:, None] & (d < DIM)[None, :]
+    y = _normed(x_ptr, res_ptr, w_ptr, r, d, mask, stride_x, eps, DIM, HAS_RESIDUAL)
     tl.store(out_ptr + r[:, None] * DIM + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_fp8(q_ptr, scale_ptr, x_ptr, res_ptr, w_ptr, rows, stride_x, eps, DIM: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP8_MAX: tl.constexpr):
+    """_rms_norm, then _quantize_fp8_rows of its output (rounded to x's dtype first, as stored)."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    mask = (r < rows)[:, None] & (d < DIM)[None, :]
+    y = _normed(x_ptr, res_ptr, w_ptr, r, d, mask, stride_x, eps, DIM, HAS_RESIDUAL)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) * (1.0 / FP8_MAX)
+    tl.store(scale_ptr + r, scale, mask=r < rows)
+    q = tl.clamp(tl.div_rn(y, scale[:, None]), -FP8_MAX, FP8_MAX)  # IEEE division, as torch's
+    tl.store(q_ptr + r[:, None] * DIM + d[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -102,6 +126,30 @@ def _silu_and_mul(out_ptr, gate_up_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr):
     gate = tl.load(gate_up_ptr + r * 2 * DIM + j, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + r * 2 * DIM + DIM + j, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * DIM + j, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8(q_ptr, scale_ptr, gate_up_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    """_silu_and_mul of a row, then _quantize_fp8_rows of it: the products (rounded to the
+    dtype, as stored) give the row's largest, then are made again and quantized."""
+    r = tl.program_id(0).to(tl.int64)
+    row = gate_up_ptr + r * 2 * DIM
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j0 in range(0, DIM, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        gate = tl.load(row + j, mask=j < DIM, other=0.0).to(tl.float32)
+        up = tl.load(row + DIM + j, mask=j < DIM, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs((gate / (1.0 + tl.exp(-gate)) * up).to(gate_up_ptr.dtype.element_ty)
+                                       .to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / FP8_MAX)
+    tl.store(scale_ptr + r, scale)
+    for j0 in range(0, DIM, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        gate = tl.load(row + j, mask=j < DIM, other=0.0).to(tl.float32)
+        up = tl.load(row + DIM + j, mask=j < DIM, other=0.0).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate)) * up).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
+        q = tl.clamp(tl.div_rn(y, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as torch's
+        tl.store(q_ptr + r * DIM + j, q.to(q_ptr.dtype.element_ty), mask=j < DIM)
 
 
 @triton.jit
@@ -155,6 +203,28 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     return out
 
 
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` and `quantize_fp8_rows` of its output in one launch, where an FP8 layer reads
+    the norm (quantization/fp8.py, Fp8Rows): its codes and scales, those of the two launches
+    bit for bit; residual updated in place as rms_norm does."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"rms_norm_fp8: x must be [rows, dim] with contiguous rows, got strides {x.stride()}")
+    if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
+        raise ValueError(f"rms_norm_fp8: residual must be contiguous {tuple(x.shape)}, got {tuple(residual.shape)}")
+    rows, dim = x.shape
+    # under the interpreter the fp8 cast is torch's, as in quantize_fp8_rows
+    q = torch.empty((rows, dim), dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    d_pad = _pow2(dim)
+    block_r = max(1, min(64, MAX_TILE // d_pad))
+    if rows:
+        _rms_norm_fp8[(triton.cdiv(rows, block_r),)](q, scale, x, residual if residual is not None else x, weight,
+                                                     rows, x.stride(0), eps, DIM=dim, D_PAD=d_pad, BLOCK_R=block_r,
+                                                     HAS_RESIDUAL=residual is not None, FP8_MAX=448.0)
+    return (q.to(torch.float8_e4m3fn) if INTERPRET else q), scale
+
+
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                    eps: float, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rows (views of the fused
@@ -177,6 +247,19 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | No
                                    QH_PAD=_pow2(heads), K_HEADS=kv_heads, KH_PAD=_pow2(kv_heads), HALF=head_dim // 2,
                                    HALF_PAD=_pow2(head_dim // 2), NORM=norm)
     return q_out, k_out
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_and_mul` and `quantize_fp8_rows` of its output in one launch, for an FP8 down
+    projection (quantization/fp8.py, Fp8Rows): the two launches' codes and scales bit for bit."""
+    if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_and_mul_fp8: gate_up must be contiguous [rows, 2 * dim], got {tuple(gate_up.shape)}")
+    rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+    q = torch.empty((rows, dim), dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    if rows:
+        _silu_and_mul_fp8[(rows,)](q, scale, gate_up, DIM=dim, BLOCK=min(2048, _pow2(dim)), FP8_MAX=448.0)
+    return (q.to(torch.float8_e4m3fn) if INTERPRET else q), scale
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from tokenmill.executor.distributed.parallel import (TensorParallel, VocabParall
                                                      shard_model_config)
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.quantization import QuantConfig
+from tokenmill.executor.layers.quantization.fp8 import Fp8Rows, quantizes_input
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import Rope, RotaryEmbedding
 
@@ -91,10 +92,13 @@ class LlamaMLP(nn.Module):
                                    quant_method=_method(quant, f"{prefix}.gate_up_proj"), tp_shard=gate_up_shard)
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias,
                                 quant_method=_method(quant, f"{prefix}.down_proj"), tp_shard=down_shard)
+        self.fp8_down = False  # the activation quantized for an FP8 down_proj in its launch (pack_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None:
+        if self.fp8_down:
+            x = self.down_proj(Fp8Rows(*self.kernels.silu_and_mul_fp8(gate_up), gate_up.dtype))
+        elif self.kernels is not None:
             x = self.down_proj(self.kernels.silu_and_mul(gate_up))
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -167,10 +171,18 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """After loading: every linear layer in the fastest CPU layout. A tied head packs
-        its own copy; the embedding keeps the plain weight for lookups."""
+        its own copy; the embedding keeps the plain weight for lookups. A norm whose output
+        only an FP8 layer reads (qkv, gate/up) quantizes it in its own launch (Fp8Rows), and so
+        does the activation before an FP8 down projection."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        for layer in self.layers:
+            for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+                if norm is not None and quantizes_input(norm.kernels, "rms_norm_fp8", linear):
+                    norm.fp8_output = True
+            layer.mlp.fp8_down = quantizes_input(layer.mlp.kernels, "silu_and_mul_fp8", layer.mlp.down_proj)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors (Hugging Face names) into the model; returns the

@@ -13,6 +13,8 @@ function, in every linear layer, left FP8 at 0.91x bf16's throughput.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -26,6 +28,26 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # checkpoint quantized on the CPU gets the scales (and codes) the GPU makes on load
     scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * (1.0 / FP8_MAX)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An FP8 layer's input quantized already, by the kernel before it (triton_ops.rms_norm_fp8
+    or silu_and_mul_fp8): the codes [M, K], the float32 scales [M, 1], and the dtype of the
+    unquantized activations (the layer's output dtype)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+
+def quantizes_input(kernels, fused: str, layer: nn.Module) -> bool:
+    """Whether the input of `layer`, which only it reads, can come out of the kernel before it
+    quantized (Fp8Rows): an FP8 layer, and that kernel's fused version (`fused`) among `kernels`
+    (the Triton layer kernels have rms_norm_fp8 and silu_and_mul_fp8)."""
+    return isinstance(layer.quant_method, Fp8LinearMethod) and hasattr(kernels, fused)
 
 
 class Fp8Config:
@@ -68,12 +90,12 @@ class Fp8LinearMethod:
             if triton_fp8_gemm.enabled():  # TOKENMILL_FP8_GEMM=triton: not yet timed on a GPU
                 self.small_gemm, self.small_rows = triton_fp8_gemm.fp8_gemm, triton_fp8_gemm.SMALL_M
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        q, scale = self.quantize(x)
-        bias = layer.bias if layer.bias is None or layer.bias.dtype == x.dtype else layer.bias.to(x.dtype)
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        (q, scale), dtype = ((x.q, x.scale) if isinstance(x, Fp8Rows) else self.quantize(x)), x.dtype
+        bias = layer.bias if layer.bias is None or layer.bias.dtype == dtype else layer.bias.to(dtype)
         if len(x) <= self.small_rows:
-            return self.small_gemm(q, scale, layer.weight, layer.weight_scale_row, bias, x.dtype)
-        late = bias is not None and x.dtype == torch.float32  # CUDA's _scaled_mm takes no bias for float32 out
+            return self.small_gemm(q, scale, layer.weight, layer.weight_scale_row, bias, dtype)
+        late = bias is not None and dtype == torch.float32  # CUDA's _scaled_mm takes no bias for float32 out
         out = torch._scaled_mm(q, layer.weight.t(), scale_a=scale, scale_b=layer.weight_scale_row,
-                               bias=None if late else bias, out_dtype=x.dtype)
+                               bias=None if late else bias, out_dtype=dtype)
         return out + bias if late else out
