@@ -212,7 +212,7 @@ def test_what_a_drafter_holds_is_counted_from_its_checkpoint(method, tmp_path):
     the CPU's float32 layers do not repack their weights), twice that in float32; a checkpoint
     that carries copies of the target's embedding and LM head (some EAGLE heads do) or a tied
     draft's LM head counts without them, as they are not loaded. What the drafter holds besides
-    (drafter_bytes): its LM head cut to its token map, and its scratch blocks."""
+    (drafter_bytes): its rotary table, its LM head cut to its token map, and its scratch blocks."""
     from safetensors.torch import save_file
 
     from tokenmill.executor.memory import drafter_bytes
@@ -229,6 +229,7 @@ def test_what_a_drafter_holds_is_counted_from_its_checkpoint(method, tmp_path):
     runner, drafter = llm.engine.runner, llm.engine.runner.drafter
     skipped = skipped_tensors(runner.config.speculative_config, drafter.model_config)
     held = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
+    table = sum(b.numel() * b.element_size() for b in drafter.model.buffers())  # the rotary table
     assert checkpoint_bytes(path, torch.bfloat16, skipped) == held > 0
     assert checkpoint_bytes(path, torch.float32, skipped) == 2 * held
     assert checkpoint_bytes(path, torch.bfloat16) == held + sum(t.numel() * 2 for t in copies.values())
@@ -238,4 +239,4 @@ def test_what_a_drafter_holds_is_counted_from_its_checkpoint(method, tmp_path):
         drafter.kv_cache_dtype)
     assert 0 < len(drafter.vocab) < 8192 and scratch >= 6 * 4 * 4 * drafter.model_config.num_layers
     assert drafter_bytes(runner.config.speculative_config, path, drafter.model_config, torch.bfloat16,
-                         drafter.kv_cache_dtype, 4, 6) == held + head + scratch
+                         drafter.kv_cache_dtype, 4, 6, runner.max_model_len) == held + table + head + scratch > 0

@@ -77,11 +77,13 @@ def scratch_blocks_per_row(num_speculative_tokens: int, block_size: int) -> int:
 
 
 def drafter_bytes(spec: SpeculativeConfig, path: Path, draft: ModelConfig, dtype: torch.dtype,
-                  kv_cache_dtype: torch.dtype, block_size: int, max_num_seqs: int) -> int:
+                  kv_cache_dtype: torch.dtype, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
     """What a drafter (spec/draft.py) holds besides its K/V in the shared blocks: the weights it
-    loads, counted from its checkpoint's headers; its LM head cut to a token map, if any; and
-    its scratch blocks, a row of them for each of up to max_num_seqs drafting requests."""
+    loads, counted from its checkpoint's headers; its rotary table (float32, a row a position);
+    its LM head cut to a token map, if any; and its scratch blocks, a row of them for each of up
+    to max_num_seqs drafting requests."""
     weights = checkpoint_bytes(path, dtype, skipped_tensors(spec, draft))
+    weights += max(max_model_len, draft.max_position_embeddings) * draft.head_dim * 4
     head = 0
     if (token_map := token_map_file(spec, path)) is not None:
         head = len(load_token_map(token_map, draft.vocab_size)) * draft.hidden_size * dtype.itemsize

@@ -142,7 +142,7 @@ class ModelRunner(CacheOwner):
         draft = resolve_draft(spec, model_path, model_config) if spec and spec.method in DRAFTERS else None
         self.draft_kv_bytes_per_token = draft[1].kv_bytes_per_token(self.kv_cache_dtype) if draft else 0
         self.draft_bytes = drafter_bytes(spec, *draft, dtype, self.kv_cache_dtype, self.block_size,
-                                         config.max_num_seqs) if draft and device.type == "cuda" else 0
+                                         config.max_num_seqs, max_model_len) if draft and device.type == "cuda" else 0
         self.num_blocks = num_kv_blocks(self, max_num_batched_tokens)
         if tp is not None:  # every rank holds the same blocks: as many as the tightest can
             self.num_blocks = tp.min_int(self.num_blocks)

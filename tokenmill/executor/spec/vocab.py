@@ -72,16 +72,17 @@ class DraftVocab:
         self.ids = ids.to(device)
         with torch.inference_mode():
             bias = model.compute_logits(torch.zeros(1, hidden_size, dtype=dtype, device=device))[0, self.ids]
-            rows = []
-            for start in range(0, hidden_size, CHUNK):  # logits of unit vectors: the head's columns
+        has_bias = bool(bias.any())
+        self.head = Linear(hidden_size, len(ids), bias=has_bias).to(device=device, dtype=dtype)
+        weight = self.head.weight.data
+        with torch.inference_mode():
+            # logits of unit vectors: the head's columns, CHUNK at a time into the weight (on a GPU
+            # the drafter is built after the KV cache: no more than the cut head and a chunk)
+            for start in range(0, hidden_size, CHUNK):
                 n = min(CHUNK, hidden_size - start)
                 units = torch.zeros(n, hidden_size, dtype=dtype, device=device)
                 units[:, start:start + n] = torch.eye(n, dtype=dtype, device=device)
-                rows.append(model.compute_logits(units)[:, self.ids] - bias)
-            weight = torch.cat(rows).T.contiguous()
-        has_bias = bool(bias.any())
-        self.head = Linear(hidden_size, len(ids), bias=has_bias).to(device=device, dtype=dtype)
-        self.head.weight.data.copy_(weight)
+                weight[:, start:start + n] = (model.compute_logits(units)[:, self.ids] - bias).T
         if has_bias:
             self.head.bias.data.copy_(bias)
         self.head.pack()
