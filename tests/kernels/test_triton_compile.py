@@ -13,12 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (x86-64 Linux test dependency)")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernel tests run the kernels themselves "
+                                                      "(and a device session's seconds are few)")
 def test_every_kernel_configuration_compiles_for_hopper(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels, not the interpreted
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # built here, not found in a cache
