@@ -204,12 +204,12 @@ class CudaGraphRunner:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
             block_table: np.ndarray, query_lens: np.ndarray,
-            fill: tuple[torch.Tensor, torch.Tensor] | None = None, features: torch.Tensor | None = None
-            ) -> torch.Tensor:
+            fill: tuple[torch.Tensor | slice, torch.Tensor] | None = None,
+            features: torch.Tensor | None = None) -> torch.Tensor:
         """One step of len(input_ids) tokens, len(query_lens) requests (`can_run`); returns the
-        tokens' hidden states. `fill`: (positions, token ids) on the device, put into the input
-        ids after the copy. `features`: the second input's rows (none: what the buffer holds,
-        as in timing)."""
+        tokens' hidden states. `fill`: (positions, a device tensor or a slice; token ids on the
+        device), put into the input ids after the copy. `features`: the second input's rows
+        (none: what the buffer holds, as in timing)."""
         n = len(input_ids)
         b = next(x for x in self.buckets if x >= n)
         pad = b - n

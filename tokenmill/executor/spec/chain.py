@@ -74,7 +74,7 @@ class DeviceChain:
         seq_lens = (positions + 1).astype(np.int32)
         if self.graphs is not None and self.graphs.can_run(query_lens, n):
             hidden = self.graphs.run(np.zeros(n, dtype=np.int64), positions, slots, seq_lens, table, query_lens,
-                                     fill=(put(np.arange(n, dtype=np.int64)), ids), features=features)
+                                     fill=(slice(0, n), ids), features=features)  # (one copy on the device)
         else:
             self.attn.begin_step(AttentionMetadata.from_host(query_lens, seq_lens, table, put(slots), bs, put))
             hidden = self.model(ids, put(positions), self.attn, *(() if features is None else (features,)))
