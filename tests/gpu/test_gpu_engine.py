@@ -145,16 +145,16 @@ def test_an_unreachable_engine_leaves_its_memory_to_the_next(checkpoint):
         gc.enable()
 
 
-def near_ties_at_most(expected, ours, most_parted: int = 1) -> None:
+def near_ties_at_most(expected, ours, most_parted: int = 1, tol: float = 1e-3) -> None:
     """Outputs in float32 through other summation orders (another bucket, cuBLAS picking
     another kernel for other row counts): equal, or parted at a near-tie (each side's token in
-    the other's top 5), for at most `most_parted` prompts; logprobs close before that."""
+    the other's top 5), for at most `most_parted` prompts; logprobs within `tol` before that."""
     parted = 0
     for a, b in zip(expected, ours):
         x, y = a.outputs[0], b.outputs[0]
         j = next((k for k, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
         for step in range(j):
-            assert y.logprobs[step][y.token_ids[step]] == pytest.approx(x.logprobs[step][x.token_ids[step]], abs=1e-3)
+            assert y.logprobs[step][y.token_ids[step]] == pytest.approx(x.logprobs[step][x.token_ids[step]], abs=tol)
         if j < len(x.token_ids):
             parted += 1
             assert x.token_ids[j] in y.logprobs[j] and y.token_ids[j] in x.logprobs[j], (j, x.token_ids, y.token_ids)
@@ -178,17 +178,20 @@ def strict(obj, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding_with_graphs_equals_plain_decoding(checkpoint, method):
+@pytest.mark.parametrize("method, dtype", [("ngram", "float32"), ("draft_model", "float32"), ("ngram", "bfloat16")])
+def test_speculative_decoding_with_graphs_equals_plain_decoding(checkpoint, method, dtype):
     """Verification steps replay the target's graphs a row a token, and a draft model's forwards
     replay its own: greedy tokens are plain decoding's (the target as its own draft has its
-    drafts accepted)."""
+    drafts accepted). In bfloat16 (the runs of rows' kernel with 16-bit dots, which the CPU's
+    interpreter cannot run), a row's logits round apart from a decode's: outputs may part at
+    near-ties, as they do from HF's in the bfloat16 parity test."""
+    loose = dict(most_parted=len(PROMPTS), tol=0.1) if dtype == "bfloat16" else {}
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
             "adaptive": False} if method == "ngram" else \
         {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3, "adaptive": False}
-    plain = run(checkpoint, dtype="float32")[1]
+    plain = run(checkpoint, dtype=dtype)[1]
     # (8 sequences: the graphs go up to 32 rows, few to capture)
-    llm = LLM(str(checkpoint), device="cuda", gpu_memory_utilization=0.3, dtype="float32", max_num_seqs=8,
+    llm = LLM(str(checkpoint), device="cuda", gpu_memory_utilization=0.3, dtype=dtype, max_num_seqs=8,
               speculative_config=spec)
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.max_query == 4
@@ -205,11 +208,11 @@ def test_speculative_decoding_with_graphs_equals_plain_decoding(checkpoint, meth
         assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"]
         assert drafts.count(len(PROMPTS)) > 0  # later drafts, a token a request
         assert chained  # forwards 2 to k launched without a wait for the device
-    near_ties_at_most(plain, ours)
+    near_ties_at_most(plain, ours, **loose)
     llm.engine.kv_cache.check_integrity()
     del llm, runner
-    eager = run(checkpoint, dtype="float32", speculative_config=spec, enforce_eager=True, max_num_seqs=8)[1]
-    near_ties_at_most(eager, ours)
+    eager = run(checkpoint, dtype=dtype, speculative_config=spec, enforce_eager=True, max_num_seqs=8)[1]
+    near_ties_at_most(eager, ours, **loose)
 
 
 def test_eagle_head_on_the_built_in_model():
