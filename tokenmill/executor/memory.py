@@ -9,7 +9,8 @@ sampling for max_num_seqs rows) measures the peak activation memory. The cache
 then takes `gpu_memory_utilization` of the device minus the weights, that peak and
 what other processes and the CUDA context hold. A drafter is built after the cache, so
 what it will hold besides its share of the blocks is counted before (`drafter_bytes`):
-its weights from its checkpoint, its LM head cut to a token map, its scratch blocks.
+its weights from its checkpoint, its rotary table, its LM head cut to a token map, its
+scratch blocks.
 """
 
 from __future__ import annotations
