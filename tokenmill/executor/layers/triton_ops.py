@@ -119,13 +119,19 @@ def _qk_norm_rotary(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr,
 
 
 @triton.jit
+def _silu_mul(row, j, DIM: tl.constexpr):
+    """silu(gate) * up at columns j of the [gate | up] row starting at `row`, float32."""
+    gate = tl.load(row + j, mask=j < DIM, other=0.0).to(tl.float32)
+    up = tl.load(row + DIM + j, mask=j < DIM, other=0.0).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_and_mul(out_ptr, gate_up_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = j < DIM
-    gate = tl.load(gate_up_ptr + r * 2 * DIM + j, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + r * 2 * DIM + DIM + j, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * DIM + j, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _silu_mul(gate_up_ptr + r * 2 * DIM, j, DIM)
+    tl.store(out_ptr + r * DIM + j, y.to(out_ptr.dtype.element_ty), mask=j < DIM)
 
 
 @triton.jit
@@ -136,18 +142,13 @@ def _silu_and_mul_fp8(q_ptr, scale_ptr, gate_up_ptr, DIM: tl.constexpr, BLOCK: t
     row = gate_up_ptr + r * 2 * DIM
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for j0 in range(0, DIM, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        gate = tl.load(row + j, mask=j < DIM, other=0.0).to(tl.float32)
-        up = tl.load(row + DIM + j, mask=j < DIM, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs((gate / (1.0 + tl.exp(-gate)) * up).to(gate_up_ptr.dtype.element_ty)
-                                       .to(tl.float32)))
+        y = _silu_mul(row, j0 + tl.arange(0, BLOCK), DIM).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(y))
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / FP8_MAX)
     tl.store(scale_ptr + r, scale)
     for j0 in range(0, DIM, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        gate = tl.load(row + j, mask=j < DIM, other=0.0).to(tl.float32)
-        up = tl.load(row + DIM + j, mask=j < DIM, other=0.0).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate)) * up).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
+        y = _silu_mul(row, j, DIM).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
         q = tl.clamp(tl.div_rn(y, scale), -FP8_MAX, FP8_MAX)  # IEEE division, as torch's
         tl.store(q_ptr + r * DIM + j, q.to(q_ptr.dtype.element_ty), mask=j < DIM)
 
@@ -176,26 +177,47 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_fp8_rows: x must be [rows, K] with contiguous rows, got strides {x.stride()}")
     rows, k = x.shape
-    # the interpreter rounds float32 to fp8 wrongly next to a power of two (124.8 -> 64):
-    # there, and only there, the kernel writes the saturated float32 and torch casts it
-    q = torch.empty((rows, k), dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    q, scale = _fp8_buffers(rows, k, x.device)
     if rows:
         _quantize_fp8_rows[(rows,)](q, scale, x, x.stride(0), k, FP8_MAX=448.0, BLOCK_K=min(2048, _pow2(k)))
-    return (q.to(torch.float8_e4m3fn) if INTERPRET else q), scale
+    return _fp8_codes(q), scale
+
+
+def _fp8_buffers(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantizing kernel's outputs: codes [rows, k] and float32 scales [rows, 1]. The interpreter
+    rounds float32 to fp8 wrongly next to a power of two (124.8 -> 64): there, and only there,
+    the kernel writes the saturated float32 codes and torch casts them (_fp8_codes)."""
+    q = torch.empty((rows, k), dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn, device=device)
+    return q, torch.empty((rows, 1), dtype=torch.float32, device=device)
+
+
+def _fp8_codes(q: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float8_e4m3fn) if INTERPRET else q
+
+
+def _norm_launch(name: str, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """rms_norm's and rms_norm_fp8's arguments checked: (rows, dim, the padded dim, rows a program)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name}: x must be [rows, dim] with contiguous rows, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
+        raise ValueError(f"{name}: residual must be contiguous {tuple(x.shape)}, got {tuple(residual.shape)}")
+    rows, dim = x.shape
+    d_pad = _pow2(dim)
+    return rows, dim, d_pad, max(1, min(64, MAX_TILE // d_pad))
+
+
+def _gate_up_dim(name: str, gate_up: torch.Tensor) -> int:
+    """silu_and_mul's and silu_and_mul_fp8's argument checked: the output's width."""
+    if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError(f"{name}: gate_up must be contiguous [rows, 2 * dim], got {tuple(gate_up.shape)}")
+    return gate_up.shape[1] // 2
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [rows, dim] with contiguous rows; residual: contiguous [rows, dim], updated in place."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"rms_norm: x must be [rows, dim] with contiguous rows, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
-    if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
-        raise ValueError(f"rms_norm: residual must be contiguous {tuple(x.shape)}, got {tuple(residual.shape)}")
-    rows, dim = x.shape
+    rows, dim, d_pad, block_r = _norm_launch("rms_norm", x, residual)
     out = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
-    d_pad = _pow2(dim)
-    block_r = max(1, min(64, MAX_TILE // d_pad))
     if rows:
         _rms_norm[(triton.cdiv(rows, block_r),)](out, x, residual if residual is not None else x, weight, rows,
                                                  x.stride(0), eps, DIM=dim, D_PAD=d_pad, BLOCK_R=block_r,
@@ -208,21 +230,13 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """`rms_norm` and `quantize_fp8_rows` of its output in one launch, where an FP8 layer reads
     the norm (quantization/fp8.py, Fp8Rows): its codes and scales, those of the two launches
     bit for bit; residual updated in place as rms_norm does."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"rms_norm_fp8: x must be [rows, dim] with contiguous rows, got strides {x.stride()}")
-    if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
-        raise ValueError(f"rms_norm_fp8: residual must be contiguous {tuple(x.shape)}, got {tuple(residual.shape)}")
-    rows, dim = x.shape
-    # under the interpreter the fp8 cast is torch's, as in quantize_fp8_rows
-    q = torch.empty((rows, dim), dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    d_pad = _pow2(dim)
-    block_r = max(1, min(64, MAX_TILE // d_pad))
+    rows, dim, d_pad, block_r = _norm_launch("rms_norm_fp8", x, residual)
+    q, scale = _fp8_buffers(rows, dim, x.device)
     if rows:
         _rms_norm_fp8[(triton.cdiv(rows, block_r),)](q, scale, x, residual if residual is not None else x, weight,
                                                      rows, x.stride(0), eps, DIM=dim, D_PAD=d_pad, BLOCK_R=block_r,
                                                      HAS_RESIDUAL=residual is not None, FP8_MAX=448.0)
-    return (q.to(torch.float8_e4m3fn) if INTERPRET else q), scale
+    return _fp8_codes(q), scale
 
 
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
@@ -252,21 +266,18 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | No
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`silu_and_mul` and `quantize_fp8_rows` of its output in one launch, for an FP8 down
     projection (quantization/fp8.py, Fp8Rows): the two launches' codes and scales bit for bit."""
-    if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_and_mul_fp8: gate_up must be contiguous [rows, 2 * dim], got {tuple(gate_up.shape)}")
-    rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
-    q = torch.empty((rows, dim), dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn, device=gate_up.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    dim = _gate_up_dim("silu_and_mul_fp8", gate_up)
+    rows = len(gate_up)
+    q, scale = _fp8_buffers(rows, dim, gate_up.device)
     if rows:
         _silu_and_mul_fp8[(rows,)](q, scale, gate_up, DIM=dim, BLOCK=min(2048, _pow2(dim)), FP8_MAX=448.0)
-    return (q.to(torch.float8_e4m3fn) if INTERPRET else q), scale
+    return _fp8_codes(q), scale
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: contiguous [rows, 2 * dim]; returns silu(gate) * up, [rows, dim]."""
-    if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_and_mul: gate_up must be contiguous [rows, 2 * dim], got {tuple(gate_up.shape)}")
-    rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+    dim = _gate_up_dim("silu_and_mul", gate_up)
+    rows = len(gate_up)
     out = torch.empty((rows, dim), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(dim))
     if rows:
